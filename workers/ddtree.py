@@ -1,0 +1,73 @@
+"""DDTree: the drafter's one block pass spread into a best-first tree, verified in one target pass.
+
+Round: the drafter's per-position log-probs give the ``budget`` most probable prefixes (capped in
+depth and branching); the target scores root + all nodes at once under a tree mask; the walk from
+the root follows the target's own sample at each node; the accepted path is committed and the
+target's sample after it becomes the next bonus. Lossless at any temperature, as for DFlash.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.dflash import draft_block
+from workers.drafter import DFlashDrafter
+from workers.generation import NULL_TIMER, Clock, GenerationConfig, GenerationOutput, OutputBuffer
+from workers.sampling import make_generator, sample_tokens
+from workers.target import AttentionTarget
+from workers.tree import TreeParams, build_tree, follow_tree
+
+
+def resolve_tree_params(params: TreeParams, block_size: int) -> TreeParams:
+    """Fill the default depth (block_size-1) and check it fits the drafter's block."""
+    depth = block_size - 1 if params.max_depth is None else params.max_depth
+    if not 1 <= depth <= block_size - 1:
+        raise ValueError(f"max_depth must be in 1..{block_size - 1} (block_size-1), got {depth}")
+    return TreeParams(budget=params.budget, max_depth=depth, branching=params.branching)
+
+
+@torch.inference_mode()
+def generate(
+    target: AttentionTarget,
+    drafter: DFlashDrafter,
+    prompt_ids: torch.Tensor,  # [1, T]
+    config: GenerationConfig,
+    params: TreeParams,
+    timer=NULL_TIMER,
+) -> GenerationOutput:
+    params = resolve_tree_params(params, drafter.block_size)
+    clock = Clock(target.device)
+    capacity = prompt_ids.shape[1] + config.max_new_tokens + params.budget + 1
+    target.start(capacity=capacity, max_verify=params.budget + 1)
+    draft_cache = drafter.new_cache(capacity)
+    prefill = target.prefill(prompt_ids)
+    generator = make_generator(config.seed, prefill.logits.device)
+    bonus = sample_tokens(prefill.logits[-1:], config.temperature, generator)  # [1]
+    new_context = prefill.taps
+    out = OutputBuffer(config)
+    out.extend([int(bonus.item())])  # sync: the first token must reach the host for stop checks
+    clock.first_token()
+
+    rounds: list[int] = []
+    while not out.done:
+        with timer.stage("draft"):
+            draft_logits = draft_block(drafter, target, draft_cache, bonus, new_context, params.max_depth)
+        with timer.stage("tree"):
+            tree = build_tree(torch.log_softmax(draft_logits.float(), dim=-1), params)  # heap runs on host
+        with timer.stage("verify"):
+            verified = target.verify_tree(bonus[0], tree)
+        with timer.stage("commit"):
+            choices = sample_tokens(verified.logits, config.temperature, generator)  # [n+1]
+            device = choices.device
+            path, next_token = follow_tree(
+                tree.tokens.to(device), tree.parents.to(device), tree.visibility.to(device), choices
+            )
+            path = path.cpu()  # sync: the round's one host read (the path length drives the commit)
+            target.commit(path)
+            new_context = verified.taps[:, path.to(verified.taps.device)]
+            bonus = next_token.view(1)
+            out.extend(tree.tokens[path[1:] - 1].tolist() + [int(next_token.item())])
+        rounds.append(int(path.shape[0]))
+
+    ttft, decode = clock.finish()
+    return GenerationOutput(out.tokens, rounds, dict(timer.totals), ttft, decode)

@@ -1,0 +1,90 @@
+"""DFlash: chain drafting with a block-diffusion drafter, verified in one target pass per round.
+
+Round: the drafter fills [bonus, MASK...] in one pass and its greedy guesses form a chain; the
+target scores [bonus, guesses] causally; the longest prefix where each guess equals the target's own
+sample is accepted, then the target's sample after it becomes the next bonus. Lossless at any
+temperature: every committed token is a target sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.drafter import DFlashDrafter
+from workers.generation import NULL_TIMER, Clock, GenerationConfig, GenerationOutput, OutputBuffer
+from workers.sampling import make_generator, sample_tokens
+from workers.target import AttentionTarget
+
+
+@dataclass(frozen=True)
+class DFlashParams:
+    num_draft_tokens: int | None = None  # 1..block_size-1; None = block_size-1
+
+    def resolve(self, block_size: int) -> int:
+        n = block_size - 1 if self.num_draft_tokens is None else self.num_draft_tokens
+        if not 1 <= n <= block_size - 1:
+            raise ValueError(f"num_draft_tokens must be in 1..{block_size - 1} (block_size-1), got {n}")
+        return n
+
+
+def draft_block(
+    drafter: DFlashDrafter, target: AttentionTarget, cache, bonus: torch.Tensor, new_context: torch.Tensor, rows: int
+) -> torch.Tensor:
+    """One drafter pass -> draft logits [rows, V] for the positions after the bonus.
+
+    The block is the target's embedding of [bonus, MASK x (block_size-1)]; the whole block is always
+    run (the drafter was trained on full blocks) and only the first ``rows`` predictions are used.
+    """
+    block_ids = torch.full((1, drafter.block_size), drafter.spec.mask_token_id, dtype=torch.long, device=bonus.device)
+    block_ids[0, 0] = bonus[0]
+    embed = target.model.get_input_embeddings()
+    block_embeds = embed(block_ids.to(embed.weight.device)).to(drafter.fc.weight.device)
+    hidden = drafter(block_embeds, new_context, cache)  # [1, block, H]
+    lm_head = target.model.get_output_embeddings()
+    return lm_head(hidden[0, 1 : 1 + rows].to(lm_head.weight.device))
+
+
+@torch.inference_mode()
+def generate(
+    target: AttentionTarget,
+    drafter: DFlashDrafter,
+    prompt_ids: torch.Tensor,  # [1, T]
+    config: GenerationConfig,
+    params: DFlashParams = DFlashParams(),
+    timer=NULL_TIMER,
+) -> GenerationOutput:
+    num_draft = params.resolve(drafter.block_size)
+    clock = Clock(target.device)
+    capacity = prompt_ids.shape[1] + config.max_new_tokens + num_draft + 1
+    target.start(capacity=capacity, max_verify=num_draft + 1)
+    draft_cache = drafter.new_cache(capacity)
+    prefill = target.prefill(prompt_ids)
+    generator = make_generator(config.seed, prefill.logits.device)
+    bonus = sample_tokens(prefill.logits[-1:], config.temperature, generator)  # [1]
+    new_context = prefill.taps  # [1, T, k*H]: features of every committed token not yet drafted on
+    out = OutputBuffer(config)
+    out.extend([int(bonus.item())])  # sync: the first token must reach the host for stop checks
+    clock.first_token()
+
+    rounds: list[int] = []
+    while not out.done:
+        with timer.stage("draft"):
+            draft_logits = draft_block(drafter, target, draft_cache, bonus, new_context, num_draft)
+            guesses = draft_logits.argmax(dim=-1)  # [n] greedy chain, also at T > 0
+        with timer.stage("verify"):
+            chain = torch.cat((bonus, guesses.to(bonus.device)))  # [n+1]
+            verified = target.verify_chain(chain)
+        with timer.stage("commit"):
+            choices = sample_tokens(verified.logits, config.temperature, generator)  # [n+1]
+            agree = (guesses.to(choices.device) == choices[:-1]).int().cumprod(dim=0)
+            accepted = int(agree.sum().item())  # sync: the round's one host read
+            target.commit(torch.arange(accepted + 1))
+            new_context = verified.taps[:, : accepted + 1]
+            bonus = choices[accepted : accepted + 1]
+            out.extend(chain[1 : accepted + 1].tolist() + [int(bonus.item())])
+        rounds.append(accepted + 1)
+
+    ttft, decode = clock.finish()
+    return GenerationOutput(out.tokens, rounds, dict(timer.totals), ttft, decode)

@@ -1,0 +1,331 @@
+"""The project's own DFlash drafter: loads z-lab checkpoints as published, without remote code.
+
+A DFlash drafter is a few Qwen3-style layers at the target's width with no embedding or LM head of
+its own. Per pass it reads:
+  * context: the target's hidden states after layers ``target_layer_ids`` for newly committed tokens,
+    concatenated [1, T, k*H], projected by ``fc`` and ``hidden_norm``, then turned into extra keys and
+    values by every layer's own k_proj/v_proj (+k_norm). The context never passes through a layer's
+    norms or MLP, and its K/V stay in the drafter cache for later rounds;
+  * the block: the target's embedding of [bonus, MASK x (block_size-1)] at positions start..start+b-1.
+Attention is non-causal with no mask: every block query sees all context and the whole block. One
+pass gives the hidden states of the block; the target's lm_head turns positions 1.. into one
+distribution per future token. The block's own K/V are never cached.
+
+Checkpoint layout (z-lab/*-DFlash*): config.json (a Qwen3 config plus ``block_size``,
+``num_target_layers`` and ``dflash_config.{mask_token_id,target_layer_ids}``) and model.safetensors
+(or a sharded index) with keys ``layers.N.self_attn.{q,k,v,o}_proj.weight``, ``...{q,k}_norm.weight``,
+``layers.N.mlp.{gate,up,down}_proj.weight``, ``layers.N.{input,post_attention}_layernorm.weight``,
+``norm.weight``, ``fc.weight``, ``hidden_norm.weight``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+from workers.errors import CheckpointMismatchError
+
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Evenly spread taps over target layers 1..N-3 (the DFlash convention when the config omits them)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    first, last = 1, num_target_layers - 3
+    return [int(round(first + i * (last - first) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """The fields of a drafter config.json the engines depend on, validated."""
+
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    hidden_size: int
+    qwen3_config: Qwen3Config  # the layer shapes, norms and RoPE settings
+
+    @classmethod
+    def from_config_file(cls, config_path: Path) -> DrafterSpec:
+        try:
+            raw = json.loads(config_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CheckpointMismatchError(f"{config_path}: cannot read drafter config ({exc})") from exc
+        return cls.from_dict(raw, source=str(config_path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "drafter config") -> DrafterSpec:
+        def need(field: str, container: dict[str, Any], name: str) -> Any:
+            if field not in container:
+                raise CheckpointMismatchError(f"{source}: missing field '{name}'")
+            return container[field]
+
+        dflash = raw.get("dflash_config") or {}
+        if not isinstance(dflash, dict):
+            raise CheckpointMismatchError(f"{source}: 'dflash_config' must be a mapping")
+        block_size = int(need("block_size", raw, "block_size"))
+        if block_size < 2:
+            raise CheckpointMismatchError(f"{source}: 'block_size' must be >= 2, got {block_size}")
+        num_target_layers = int(need("num_target_layers", raw, "num_target_layers"))
+        num_layers = int(need("num_hidden_layers", raw, "num_hidden_layers"))
+        layer_ids = dflash.get("target_layer_ids")
+        if layer_ids is None:
+            layer_ids = default_target_layer_ids(num_target_layers, num_layers)
+        mask_token_id = need("mask_token_id", dflash, "dflash_config.mask_token_id")
+        keep = {k: v for k, v in raw.items() if k not in ("architectures", "auto_map", "dflash_config")}
+        keep.setdefault("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
+        return cls(
+            block_size=block_size,
+            mask_token_id=int(mask_token_id),
+            target_layer_ids=tuple(int(i) for i in layer_ids),
+            num_target_layers=num_target_layers,
+            hidden_size=int(need("hidden_size", raw, "hidden_size")),
+            qwen3_config=Qwen3Config(**keep),
+        )
+
+    def check_fits(self, target_config: Any, embedding_rows: int, source: str) -> None:
+        """Refuse a drafter built for another target, naming the field that disagrees."""
+        text_config = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        target_hidden = int(text_config.hidden_size)
+        target_layers = int(text_config.num_hidden_layers)
+        if self.hidden_size != target_hidden:
+            raise CheckpointMismatchError(
+                f"{source}: hidden_size {self.hidden_size} does not match the target's {target_hidden}"
+            )
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target_layers]
+        if bad:
+            raise CheckpointMismatchError(
+                f"{source}: dflash_config.target_layer_ids {list(bad)} are outside the target's "
+                f"{target_layers} layers (0..{target_layers - 1})"
+            )
+        if self.num_target_layers != target_layers:
+            raise CheckpointMismatchError(
+                f"{source}: num_target_layers {self.num_target_layers} does not match the target's "
+                f"{target_layers} layers (this drafter was built for another target)"
+            )
+        if not 0 <= self.mask_token_id < embedding_rows:
+            raise CheckpointMismatchError(
+                f"{source}: dflash_config.mask_token_id {self.mask_token_id} is outside the target's "
+                f"vocabulary of {embedding_rows} embedding rows"
+            )
+
+
+class DrafterCache:
+    """Preallocated context K/V of every drafter layer: [layers][1, kv_heads, capacity, head_dim].
+
+    Holds the projected context of committed tokens 0..length-1; block K/V are never stored.
+    """
+
+    def __init__(self, spec: DrafterSpec, capacity: int, device: torch.device, dtype: torch.dtype) -> None:
+        cfg = spec.qwen3_config
+        shape = (1, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.capacity = capacity
+        self.length = 0
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [1, heads, T, D] with cos/sin [1, T, D] (rotate-half convention of Qwen3)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, cfg: Qwen3Config) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(1, x.shape[1], n, self.head_dim)  # [1, T, n, D]
+
+    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [1, T, H] -> rotated keys, values [1, kv_heads, T, D]."""
+        k = self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)).transpose(1, 2)
+        v = self._heads(self.v_proj(x), self.num_kv_heads).transpose(1, 2)
+        return _rotate(k, cos, sin), v
+
+    def forward(
+        self,
+        block: torch.Tensor,  # [1, b, H] (after input_layernorm)
+        block_rope: tuple[torch.Tensor, torch.Tensor],
+        context_keys: torch.Tensor,  # [1, kv_heads, C, D], already rotated
+        context_values: torch.Tensor,
+    ) -> torch.Tensor:
+        cos, sin = block_rope
+        q = _rotate(self.q_norm(self._heads(self.q_proj(block), self.num_heads)).transpose(1, 2), cos, sin)
+        k_block, v_block = self.key_value(block, cos, sin)
+        k = torch.cat((context_keys, k_block), dim=2)
+        v = torch.cat((context_values, v_block), dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=self.num_heads != self.num_kv_heads)  # non-causal
+        return self.o_proj(out.transpose(1, 2).reshape(1, block.shape[1], -1))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: Qwen3Config) -> None:
+        super().__init__()
+        self.self_attn = DrafterAttention(cfg)
+        self.mlp = Qwen3MLP(cfg)
+        self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+
+class DFlashDrafter(nn.Module):
+    """Parameter names match the z-lab safetensors keys exactly, so state dicts load as they are."""
+
+    def __init__(self, spec: DrafterSpec) -> None:
+        super().__init__()
+        cfg = spec.qwen3_config
+        self.spec = spec
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.fc = nn.Linear(len(spec.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config=cfg)
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    def new_cache(self, capacity: int) -> DrafterCache:
+        weight = self.fc.weight
+        return DrafterCache(self.spec, capacity, weight.device, weight.dtype)
+
+    def _rope(self, x: torch.Tensor, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(start, start + length, device=x.device).unsqueeze(0)
+        return self.rotary_emb(x, positions)  # cos, sin [1, length, D]
+
+    def forward(self, block_embeds: torch.Tensor, new_context: torch.Tensor, cache: DrafterCache) -> torch.Tensor:
+        """One drafting pass.
+
+        block_embeds [1, b, H]: target embedding of [bonus, MASK...] at positions start..start+b-1,
+            where start = cache.length + T (the bonus sits right after the last committed context).
+        new_context  [1, T, k*H]: target taps of the tokens committed since the last pass.
+        Returns the final-normed hidden states of the block [1, b, H]; feed them to the target lm_head.
+        """
+        num_new = new_context.shape[1]
+        ctx_start, block_start = cache.length, cache.length + num_new
+        if block_start > cache.capacity:
+            raise RuntimeError(f"drafter cache overflow: {block_start} > capacity {cache.capacity}")
+        context = self.hidden_norm(self.fc(new_context))
+        ctx_rope = self._rope(context, ctx_start, num_new)
+        block_rope = self._rope(block_embeds, block_start, block_embeds.shape[1])
+        hidden = block_embeds
+        for index, layer in enumerate(self.layers):
+            keys, values = cache.keys[index], cache.values[index]
+            if num_new:
+                k_ctx, v_ctx = layer.self_attn.key_value(context, *ctx_rope)
+                keys[:, :, ctx_start:block_start] = k_ctx
+                values[:, :, ctx_start:block_start] = v_ctx
+            attn = layer.self_attn(
+                layer.input_layernorm(hidden), block_rope, keys[:, :, :block_start], values[:, :, :block_start]
+            )
+            hidden = hidden + attn
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        cache.length = block_start
+        return self.norm(hidden)
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    single, index = path / WEIGHTS_FILE, path / WEIGHTS_INDEX_FILE
+    if single.exists():
+        return load_file(single)
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weights: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            weights.update(load_file(path / shard))
+        return weights
+    raise CheckpointMismatchError(f"{path}: no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} in the drafter folder")
+
+
+def resolve_checkpoint_dir(name_or_path: str, local_files_only: bool = False) -> Path:
+    """A local folder as it is, otherwise a hub repo id fetched (config + safetensors only)."""
+    local = Path(name_or_path).expanduser()
+    if local.is_dir():
+        return local.resolve()
+    if local.exists() or name_or_path.startswith((".", "/", "~")):
+        raise CheckpointMismatchError(f"{name_or_path}: drafter path is not a folder")
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(
+            name_or_path, allow_patterns=["config.json", "*.safetensors", "*.json"], local_files_only=local_files_only
+        )
+    except Exception as exc:  # hub errors come in many types; one message is what the user needs
+        raise CheckpointMismatchError(f"{name_or_path}: cannot find the drafter locally or on the hub ({exc})") from exc
+    return Path(folder)
+
+
+def load_drafter(
+    name_or_path: str,
+    target: nn.Module,
+    device: torch.device | str | None = None,
+    local_files_only: bool = False,
+) -> DFlashDrafter:
+    """Load a z-lab drafter checkpoint into DFlashDrafter, checked against the target.
+
+    The drafter takes the target's dtype and, unless told otherwise, the device of the target's
+    lm_head (it feeds that lm_head every round).
+    """
+    folder = resolve_checkpoint_dir(name_or_path, local_files_only)
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        raise CheckpointMismatchError(f"{folder}: no config.json in the drafter folder")
+    spec = DrafterSpec.from_config_file(config_path)
+    embeddings = target.get_input_embeddings().weight
+    spec.check_fits(target.config, embedding_rows=embeddings.shape[0], source=str(config_path))
+
+    drafter = DFlashDrafter(spec)
+    weights = _read_weights(folder)
+    if weights and all(key.startswith("model.") for key in weights):
+        weights = {key.removeprefix("model."): value for key, value in weights.items()}
+    expected = {k for k in drafter.state_dict() if not k.startswith("rotary_emb.")}
+    missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
+    if missing or unexpected:
+        raise CheckpointMismatchError(
+            f"{folder}: drafter weights do not match config.json "
+            f"(missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''})"
+        )
+    own = drafter.state_dict()
+    for key, value in weights.items():
+        if tuple(value.shape) != tuple(own[key].shape):
+            raise CheckpointMismatchError(
+                f"{folder}: weight '{key}' has shape {tuple(value.shape)}, config.json implies {tuple(own[key].shape)}"
+            )
+    drafter.load_state_dict(weights, strict=False)  # rotary buffers are computed, not stored
+    lm_head = target.get_output_embeddings().weight
+    return drafter.to(device=device or lm_head.device, dtype=lm_head.dtype).eval()
+
+
+def save_drafter(drafter: DFlashDrafter, folder: Path, raw_config: dict[str, Any]) -> None:
+    """Write a drafter in the z-lab layout (used to make tiny offline checkpoints)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(raw_config, indent=2))
+    state = {k: v.contiguous() for k, v in drafter.state_dict().items() if not k.startswith("rotary_emb.")}
+    save_file(state, folder / WEIGHTS_FILE)

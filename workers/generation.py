@@ -1,0 +1,124 @@
+"""What every decoding engine shares: its settings, its result, the output buffer and stage timers.
+
+The engines (``workers.ar``, ``workers.dflash``, ``workers.ddtree``) have one call shape::
+
+    generate(target, drafter, prompt_ids, config, params, timer=NULL_TIMER) -> GenerationOutput
+
+and all count the same way: a round commits the tokens it accepted plus one token the target chose
+itself (the bonus); ``acceptance_lengths`` holds that count per round, bonus included (AR: all 1).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+STAGES = ("draft", "tree", "verify", "commit")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int
+    temperature: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    token_ids: list[int]  # generated ids only, stop token included when one ended the output
+    acceptance_lengths: list[int]  # tokens committed per round, bonus included
+    stage_times: dict[str, float]  # seconds per stage (empty unless a StageTimer was passed)
+    ttft_s: float  # prompt prefill through the first generated token
+    decode_s: float  # everything after that
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.acceptance_lengths)
+
+
+class OutputBuffer:
+    """Collects committed tokens and decides when generation ends (stop token or token limit)."""
+
+    def __init__(self, config: GenerationConfig) -> None:
+        self.tokens: list[int] = []
+        self.max_new_tokens = config.max_new_tokens
+        self.stop = frozenset(config.stop_token_ids)
+        self.done = False
+
+    def extend(self, new_tokens: list[int]) -> None:
+        for token in new_tokens:
+            self.tokens.append(token)
+            if token in self.stop or len(self.tokens) >= self.max_new_tokens:
+                self.done = True
+                return
+
+
+class StageTimer:
+    """Wall time per named stage. On CUDA it synchronises around each stage so the time is the
+    stage's own; pass it only when stage shares are wanted (benchmarks), never by default."""
+
+    def __init__(self, sync: Callable[[], None] | None = None) -> None:
+        self.sync = sync or (lambda: None)
+        self.totals: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        self.sync()
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sync()
+            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - begin
+
+
+class _NullTimer:
+    """The default: records nothing and adds no synchronisation."""
+
+    @property
+    def totals(self) -> dict[str, float]:
+        return {}
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        yield
+
+
+NULL_TIMER = _NullTimer()
+
+
+def device_sync(device: torch.device) -> Callable[[], None]:
+    """The synchronise call that makes host timings honest on ``device`` (a no-op on CPU)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+class Clock:
+    """TTFT / decode split for one generation, synchronising only at the two boundaries."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._sync = device_sync(device)
+        self._sync()
+        self._begin = time.perf_counter()
+        self._first = self._begin
+
+    def first_token(self) -> None:
+        self._sync()
+        self._first = time.perf_counter()
+
+    def finish(self) -> tuple[float, float]:
+        self._sync()
+        end = time.perf_counter()
+        return self._first - self._begin, end - self._first
