@@ -1,0 +1,163 @@
+"""Benchmark one method and setting on a prompt file: ``python -m workers.bench --help``.
+
+Example (the tiny offline models; see ``python -m workers.tiny``)::
+
+    python -m workers.bench --target models/tiny/target --drafter models/tiny/drafter \\
+        --method ddtree --tree-budget 32 --prompts models/tiny/prompts.jsonl --dtype float32 --json
+
+With ``--json`` stdout holds exactly one JSON object: method, params, status, metrics,
+acceptance_histogram, memory (peaks per device) and outputs (token_ids and acceptance_lengths per
+prompt). Bad flags or checkpoints that do not fit exit with status 2 and a one-line message; a trial
+that fails (out of memory, error) prints its result and exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import NoReturn
+
+from workers.errors import BadInputError
+from workers.loading import DTYPES
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, status 2, as for every bad input
+        self.exit(2, f"workers.bench: error: {message}\n")
+
+
+def _positive(kind: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{kind} must be an integer, got '{text}'") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{kind} must be >= 1, got {value}")
+        return value
+
+    return parse
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"temperature must be a number, got '{text}'") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"temperature must be >= 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m workers.bench", description="Time AR, DFlash or DDTree decoding on a prompt file.")
+    p.add_argument("--target", required=True, help="target model: hub id or local folder")
+    p.add_argument("--drafter", help="DFlash drafter checkpoint: hub id or local folder (needed for dflash/ddtree)")
+    p.add_argument("--method", required=True, choices=["ar", "dflash", "ddtree"])
+    p.add_argument("--tree-budget", type=_positive("--tree-budget"), help="DDTree nodes besides the root")
+    p.add_argument("--max-depth", type=_positive("--max-depth"), help="DDTree depth cap (default block_size-1)")
+    p.add_argument("--branching", type=_positive("--branching"), help="DDTree children per node (default unlimited)")
+    p.add_argument("--num-draft-tokens", type=_positive("--num-draft-tokens"), help="DFlash chain length")
+    p.add_argument("--prompts", required=True, help='JSONL: {"prompt": "..."} or {"input_ids": [...]} per line')
+    p.add_argument("--limit", type=_positive("--limit"), help="use the first N prompts")
+    p.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=256)
+    p.add_argument("--temperature", type=_non_negative_float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    p.add_argument("--no-baseline", action="store_true", help="skip the AR baseline (no speedup / lossless_match)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    return p
+
+
+def _check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.method in ("dflash", "ddtree") and not args.drafter:
+        parser.error(f"--method {args.method} needs --drafter")
+    if args.method == "ddtree" and args.tree_budget is None:
+        parser.error("--method ddtree needs --tree-budget")
+    if args.method != "ddtree" and any(v is not None for v in (args.tree_budget, args.max_depth, args.branching)):
+        parser.error(f"--tree-budget/--max-depth/--branching apply to --method ddtree, not {args.method}")
+    if args.method != "dflash" and args.num_draft_tokens is not None:
+        parser.error(f"--num-draft-tokens applies to --method dflash, not {args.method}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_flags(args, parser)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+    from workers.prompts import load_prompts
+    from workers.worker import Method, TrialSpec, Worker, WorkerConfig
+
+    try:
+        prompts = load_prompts(args.prompts, args.limit)
+        worker = Worker(WorkerConfig(target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device))
+        worker.load()
+        block = worker.block_size
+        for flag, value in (("--max-depth", args.max_depth), ("--num-draft-tokens", args.num_draft_tokens)):
+            if value is not None and block is not None and value > block - 1:
+                raise BadInputError(f"{flag} {value} exceeds the drafter's block_size-1 = {block - 1}")
+    except BadInputError as exc:
+        print(f"workers.bench: error: {exc}", file=sys.stderr)
+        return 2
+
+    spec = TrialSpec(
+        method=Method(args.method),
+        prompts=tuple(prompts),
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        tree_budget=args.tree_budget,
+        max_depth=args.max_depth,
+        branching=args.branching,
+        num_draft_tokens=args.num_draft_tokens,
+        baseline=not args.no_baseline,
+    )
+    result = worker.run_trial(spec)
+    if args.json:
+        print(json.dumps(_json_payload(result)))
+    else:
+        _print_table(result)
+    if result.status != "ok":
+        print(f"workers.bench: trial {result.status}: {result.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _json_payload(result) -> dict:
+    trace = result.memory_trace
+    return {
+        "method": result.method,
+        "params": result.params,
+        "status": result.status,
+        "error": result.error,
+        "metrics": result.metrics,
+        "acceptance_histogram": {str(k): v for k, v in result.acceptance_histogram.items()},
+        "memory": {
+            "peak_reserved_bytes": {str(k): v for k, v in trace.peak_reserved_bytes.items()},
+            "note": trace.note,
+        },
+        "outputs": [{"token_ids": o.token_ids, "acceptance_lengths": o.acceptance_lengths} for o in result.outputs],
+    }
+
+
+def _print_table(result) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{result.method} {result.params}  status={result.status}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for name, value in result.metrics.items():
+        table.add_row(name, "-" if value is None else f"{value:.4g}")
+    table.add_row("acceptance histogram", " ".join(f"{k}:{v}" for k, v in result.acceptance_histogram.items()))
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

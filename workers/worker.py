@@ -1,0 +1,226 @@
+"""The generation worker: load the models once, then run many trials.
+
+``Worker(config).load()`` places the target (one device or split over GPUs) and the drafter next to
+the target's lm_head. ``run_trial(spec)`` generates every prompt with one method and setting, under
+the GPU-memory tracer, and returns a ``TrialResult`` with the metrics of DESIGN.md. The AR baseline
+on the same prompts and generation settings is measured once and cached. A CUDA out-of-memory error
+becomes a result with status "oom" (memory freed, worker still usable); any other exception becomes
+status "error" with its message. Ray wraps this class in the orchestrator; it does not need Ray.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+from workers import ar, ddtree, dflash
+from workers.drafter import DFlashDrafter, load_drafter
+from workers.errors import BadInputError
+from workers.generation import GenerationConfig, GenerationOutput, StageTimer, device_sync
+from workers.loading import Placement, load_target, load_tokenizer
+from workers.memory import MemoryTrace, MemoryTracer, reset_and_empty_cache
+from workers.metrics import acceptance_histogram, summarize
+from workers.prompts import Prompt, encode, stop_token_ids
+from workers.target import AttentionTarget
+from workers.tree import TreeParams
+
+WARMUP_TOKENS = 16
+
+
+class Method(str, Enum):
+    AR = "ar"
+    DFLASH = "dflash"
+    DDTREE = "ddtree"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    target: str
+    drafter: str | None = None  # required for dflash / ddtree
+    dtype: str = "bfloat16"
+    device: str = "auto"
+    gpus: int = 1
+    max_memory_per_gpu: str | None = None
+    attn_implementation: str = "sdpa"
+    local_files_only: bool = False
+    memory_interval_ms: float = 50.0
+    enable_thinking: bool = False
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    method: Method
+    prompts: tuple[Prompt, ...]
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] | None = None  # None: the target's eos tokens
+    tree_budget: int | None = None
+    max_depth: int | None = None
+    branching: int | None = None
+    num_draft_tokens: int | None = None
+    stage_timing: bool = True  # per-stage shares; synchronises the GPU around stages
+    warmup: bool = True
+    baseline: bool = True  # also measure (once, cached) AR on the same prompts: speedup, lossless_match
+    fault: str | None = None  # "oom" | "error": raise inside the trial (fault-injection tests)
+
+    def params(self) -> dict[str, Any]:
+        if self.method is Method.DDTREE:
+            return {"tree_budget": self.tree_budget, "max_depth": self.max_depth, "branching": self.branching}
+        if self.method is Method.DFLASH:
+            return {"num_draft_tokens": self.num_draft_tokens}
+        return {}
+
+
+@dataclass(frozen=True)
+class PromptResult:
+    token_ids: list[int]
+    acceptance_lengths: list[int]
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    status: str  # "ok" | "oom" | "error"
+    method: str
+    params: dict[str, Any]
+    metrics: dict[str, float | None] = field(default_factory=dict)
+    acceptance_histogram: dict[int, int] = field(default_factory=dict)
+    outputs: list[PromptResult] = field(default_factory=list)
+    memory_trace: MemoryTrace = field(default_factory=MemoryTrace)
+    error: str | None = None
+    wall_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["memory_trace"] = self.memory_trace.to_dict()
+        data["acceptance_histogram"] = {str(k): v for k, v in self.acceptance_histogram.items()}
+        return data
+
+
+class Worker:
+    """One target + drafter kept resident; ``run_trial`` many times."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.model = None
+        self.drafter: DFlashDrafter | None = None
+        self.target: AttentionTarget | None = None
+        self.tokenizer = None
+        self._baselines: dict[str, list[GenerationOutput]] = {}
+
+    def load(self) -> Worker:
+        cfg = self.config
+        placement = Placement(device=cfg.device, gpus=cfg.gpus, max_memory_per_gpu=cfg.max_memory_per_gpu)
+        self.model = load_target(cfg.target, cfg.dtype, placement, cfg.attn_implementation, cfg.local_files_only)
+        self.tokenizer = load_tokenizer(cfg.target, cfg.local_files_only)
+        taps: tuple[int, ...] = ()
+        if cfg.drafter is not None:
+            self.drafter = load_drafter(cfg.drafter, self.model, local_files_only=cfg.local_files_only)
+            taps = self.drafter.spec.target_layer_ids
+        self.target = AttentionTarget(self.model, taps, tap_device=self.drafter.fc.weight.device if self.drafter else None)
+        return self
+
+    @property
+    def block_size(self) -> int | None:
+        return self.drafter.block_size if self.drafter else None
+
+    def run_trial(self, spec: TrialSpec) -> TrialResult:
+        started = time.perf_counter()
+        tracer = MemoryTracer(interval_ms=self.config.memory_interval_ms)
+        status, error, outputs, metrics, baseline = "ok", None, [], {}, None
+        try:
+            with tracer:
+                if spec.fault == "oom":
+                    raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected by TrialSpec.fault)")
+                if spec.fault == "error":
+                    raise RuntimeError("injected failure (TrialSpec.fault)")
+                prompts, gen = self._prepare(spec)
+                baseline = self._baseline(spec, prompts, gen) if spec.baseline else None
+                outputs = self._generate_all(spec, prompts, gen)
+            metrics = summarize(outputs, baseline, greedy=gen.temperature < 1e-5)
+        except torch.cuda.OutOfMemoryError as exc:
+            status, error = "oom", f"{type(exc).__name__}: {exc}"
+        except (BadInputError, ValueError) as exc:
+            status, error = "error", str(exc)
+        except Exception as exc:  # a trial must end in a result, never take the worker down
+            status, error = "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"
+        if status == "oom":
+            reset_and_empty_cache()  # outside the except block: the traceback no longer pins tensors
+        trace = tracer.trace
+        metrics["peak_memory_gib"] = trace.peak_gib
+        for device, gib in trace.peak_gib_per_device().items():
+            metrics[f"peak_memory_gib_dev{device}"] = gib
+        return TrialResult(
+            status=status,
+            method=spec.method.value,
+            params=spec.params(),
+            metrics=metrics,
+            acceptance_histogram=acceptance_histogram(outputs),
+            outputs=[PromptResult(o.token_ids, o.acceptance_lengths) for o in outputs],
+            memory_trace=trace,
+            error=error,
+            wall_s=time.perf_counter() - started,
+        )
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _prepare(self, spec: TrialSpec) -> tuple[list[torch.Tensor], GenerationConfig]:
+        if self.target is None:
+            raise RuntimeError("Worker.load() must run before run_trial()")
+        if spec.method is not Method.AR and self.drafter is None:
+            raise BadInputError(f"method '{spec.method.value}' needs a drafter, and this worker has none")
+        rows = self.model.get_input_embeddings().weight.shape[0]
+        prompts = [
+            torch.tensor([encode(p, self.tokenizer, rows, self.config.enable_thinking)], dtype=torch.long)
+            for p in spec.prompts
+        ]
+        stops = spec.stop_token_ids
+        if stops is None:
+            stops = stop_token_ids(self.tokenizer, self.model.generation_config or self.model.config)
+        gen = GenerationConfig(spec.max_new_tokens, spec.temperature, tuple(stops), spec.seed)
+        return prompts, gen
+
+    def _engine(self, spec: TrialSpec):
+        if spec.method is Method.DDTREE:
+            if spec.tree_budget is None:
+                raise BadInputError("method 'ddtree' needs a tree budget")
+            params = ddtree.resolve_tree_params(
+                TreeParams(spec.tree_budget, spec.max_depth, spec.branching), self.drafter.block_size
+            )
+            return ddtree.generate, params
+        if spec.method is Method.DFLASH:
+            params = dflash.DFlashParams(spec.num_draft_tokens)
+            params.resolve(self.drafter.block_size)
+            return dflash.generate, params
+        return ar.generate, None
+
+    def _generate_all(self, spec: TrialSpec, prompts: list[torch.Tensor], gen: GenerationConfig) -> list[GenerationOutput]:
+        generate, params = self._engine(spec)
+        drafter = None if spec.method is Method.AR else self.drafter
+        if spec.warmup:  # one short untimed run so lazy init and allocator growth stay out of the numbers
+            warm = GenerationConfig(min(WARMUP_TOKENS, gen.max_new_tokens), gen.temperature, (), gen.seed)
+            generate(self.target, drafter, prompts[0], warm, params)
+        outputs = []
+        for index, prompt_ids in enumerate(prompts):
+            timer = StageTimer(device_sync(self.target.device)) if spec.stage_timing else None
+            prompt_gen = GenerationConfig(gen.max_new_tokens, gen.temperature, gen.stop_token_ids, gen.seed + index)
+            kwargs = {"timer": timer} if timer else {}
+            outputs.append(generate(self.target, drafter, prompt_ids, prompt_gen, params, **kwargs))
+        return outputs
+
+    def _baseline(self, spec: TrialSpec, prompts: list[torch.Tensor], gen: GenerationConfig) -> list[GenerationOutput]:
+        """AR on the same prompts and settings, measured once per worker and reused."""
+        key = hashlib.sha256(
+            json.dumps([[p.tolist() for p in prompts], gen.max_new_tokens, gen.temperature, gen.stop_token_ids, gen.seed])
+            .encode()
+        ).hexdigest()
+        if key not in self._baselines:
+            ar_spec = TrialSpec(Method.AR, spec.prompts, stage_timing=False, warmup=spec.warmup)
+            self._baselines[key] = self._generate_all(ar_spec, prompts, gen)
+        return self._baselines[key]
