@@ -67,32 +67,48 @@ class DrafterSpec:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "drafter config") -> DrafterSpec:
-        def need(field: str, container: dict[str, Any], name: str) -> Any:
+        def need(container: dict[str, Any], field: str, name: str | None = None) -> Any:
             if field not in container:
-                raise CheckpointMismatchError(f"{source}: missing field '{name}'")
+                raise CheckpointMismatchError(f"{source}: missing field '{name or field}'")
             return container[field]
 
+        def need_int(container: dict[str, Any], field: str, name: str | None = None) -> int:
+            value = need(container, field, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise CheckpointMismatchError(f"{source}: field '{name or field}' must be an integer, got {value!r}")
+            return value
+
+        if not isinstance(raw, dict):
+            raise CheckpointMismatchError(f"{source}: the config must be a JSON object")
         dflash = raw.get("dflash_config") or {}
         if not isinstance(dflash, dict):
             raise CheckpointMismatchError(f"{source}: 'dflash_config' must be a mapping")
-        block_size = int(need("block_size", raw, "block_size"))
+        block_size = need_int(raw, "block_size")
         if block_size < 2:
             raise CheckpointMismatchError(f"{source}: 'block_size' must be >= 2, got {block_size}")
-        num_target_layers = int(need("num_target_layers", raw, "num_target_layers"))
-        num_layers = int(need("num_hidden_layers", raw, "num_hidden_layers"))
+        hidden_size = need_int(raw, "hidden_size")
+        num_heads = need_int(raw, "num_attention_heads")
+        num_layers = need_int(raw, "num_hidden_layers")
+        num_target_layers = need_int(raw, "num_target_layers")
+        mask_token_id = need_int(dflash, "mask_token_id", "dflash_config.mask_token_id")
         layer_ids = dflash.get("target_layer_ids")
         if layer_ids is None:
             layer_ids = default_target_layer_ids(num_target_layers, num_layers)
-        mask_token_id = need("mask_token_id", dflash, "dflash_config.mask_token_id")
+        if not isinstance(layer_ids, list) or not all(isinstance(i, int) for i in layer_ids) or not layer_ids:
+            raise CheckpointMismatchError(f"{source}: 'dflash_config.target_layer_ids' must be a list of ints")
         keep = {k: v for k, v in raw.items() if k not in ("architectures", "auto_map", "dflash_config")}
-        keep.setdefault("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
+        keep.setdefault("head_dim", hidden_size // num_heads)
+        try:
+            qwen3_config = Qwen3Config(**keep)
+        except Exception as exc:  # transformers validates shapes and rope settings its own way
+            raise CheckpointMismatchError(f"{source}: not a valid Qwen3-style layer config ({exc})") from exc
         return cls(
             block_size=block_size,
-            mask_token_id=int(mask_token_id),
-            target_layer_ids=tuple(int(i) for i in layer_ids),
+            mask_token_id=mask_token_id,
+            target_layer_ids=tuple(layer_ids),
             num_target_layers=num_target_layers,
-            hidden_size=int(need("hidden_size", raw, "hidden_size")),
-            qwen3_config=Qwen3Config(**keep),
+            hidden_size=hidden_size,
+            qwen3_config=qwen3_config,
         )
 
     def check_fits(self, target_config: Any, embedding_rows: int, source: str) -> None:
@@ -251,16 +267,25 @@ class DFlashDrafter(nn.Module):
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a single-file or sharded safetensors checkpoint; any damage names the file."""
     single, index = path / WEIGHTS_FILE, path / WEIGHTS_INDEX_FILE
     if single.exists():
-        return load_file(single)
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        weights: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            weights.update(load_file(path / shard))
-        return weights
-    raise CheckpointMismatchError(f"{path}: no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} in the drafter folder")
+        files = [single]
+    elif index.exists():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointMismatchError(f"{index}: not a valid safetensors index ({exc!r})") from exc
+        files = [path / shard for shard in shards]
+    else:
+        raise CheckpointMismatchError(f"{path}: no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} in the drafter folder")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            weights.update(load_file(file))
+        except Exception as exc:  # missing shard, truncated or corrupt file: safetensors raises several types
+            raise CheckpointMismatchError(f"{file}: cannot read drafter weights ({exc})") from exc
+    return weights
 
 
 def resolve_checkpoint_dir(name_or_path: str, local_files_only: bool = False) -> Path:
@@ -308,7 +333,7 @@ def load_drafter(
     missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
     if missing or unexpected:
         raise CheckpointMismatchError(
-            f"{folder}: drafter weights do not match config.json "
+            f"{folder}: drafter weights in {WEIGHTS_FILE} do not match config.json "
             f"(missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
             f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''})"
         )
@@ -316,7 +341,7 @@ def load_drafter(
     for key, value in weights.items():
         if tuple(value.shape) != tuple(own[key].shape):
             raise CheckpointMismatchError(
-                f"{folder}: weight '{key}' has shape {tuple(value.shape)}, config.json implies {tuple(own[key].shape)}"
+                f"{folder}/{WEIGHTS_FILE}: weight '{key}' has shape {tuple(value.shape)}, config.json implies {tuple(own[key].shape)}"
             )
     drafter.load_state_dict(weights, strict=False)  # rotary buffers are computed, not stored
     lm_head = target.get_output_embeddings().weight

@@ -96,3 +96,21 @@ def write_prompts(path: Path, shape: TinyShape = TinyShape(), count: int = 8, le
         for _ in range(count):
             ids = torch.randint(1, shape.vocab_size, (length,), generator=generator).tolist()
             handle.write(json.dumps({"input_ids": ids}) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m workers.tiny FOLDER``: write the tiny target, drafter and a prompts file there."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m workers.tiny", description=main.__doc__)
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    target_dir, drafter_dir = write_tiny_pair(args.folder, seed=args.seed)
+    write_prompts(args.folder / "prompts.jsonl")
+    print(f"wrote {target_dir}, {drafter_dir} and {args.folder / 'prompts.jsonl'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

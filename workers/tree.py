@@ -76,8 +76,8 @@ def build_tree(draft_log_probs: torch.Tensor, params: TreeParams) -> DraftTree:
         top_k = min(top_k, params.branching)
 
     # One device->host copy of the top-K table; the heap then runs on numpy scalars.
-    top_vals, top_ids = torch.topk(draft_log_probs[:depth_limit].float(), k=top_k, dim=-1)
-    vals = top_vals.double().cpu().numpy()  # float64 so path sums are exact enough to order
+    top_vals, top_ids = torch.topk(draft_log_probs[:depth_limit], k=top_k, dim=-1)
+    vals = top_vals.double().cpu().numpy()  # path sums in float64: the order of near-equal prefixes is stable
     ids = top_ids.cpu().numpy()
 
     tokens = np.empty(params.budget, dtype=np.int64)

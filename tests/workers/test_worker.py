@@ -1,0 +1,88 @@
+"""The worker class: metrics of a trial, the cached AR baseline, OOM and error results."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.prompts import Prompt
+from workers.worker import Method, TrialSpec, Worker, WorkerConfig
+
+
+@pytest.fixture(scope="module")
+def worker(tiny) -> Worker:
+    config = WorkerConfig(target=str(tiny.target_dir), drafter=str(tiny.drafter_dir), dtype="float32", device="cpu")
+    return Worker(config).load()
+
+
+def _prompts(count: int = 3, seed: int = 0) -> tuple[Prompt, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(Prompt(input_ids=tuple(torch.randint(1, 32, (9,), generator=generator).tolist())) for _ in range(count))
+
+
+def _spec(method: Method, **kwargs) -> TrialSpec:
+    return TrialSpec(method=method, prompts=_prompts(), max_new_tokens=24, stop_token_ids=(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "method, params",
+    [(Method.AR, {}), (Method.DFLASH, {"num_draft_tokens": 4}), (Method.DDTREE, {"tree_budget": 16, "branching": 4})],
+)
+def test_trial_reports_the_design_metrics(worker, method, params):
+    result = worker.run_trial(_spec(method, **params))
+    assert result.status == "ok", result.error
+    m = result.metrics
+    for name in ("tokens_per_s", "tau", "speedup", "ttft_s", "tpot_s", "lossless_match", "peak_memory_gib"):
+        assert name in m, name
+    assert m["lossless_match"] == 1.0  # greedy, float32: identical to AR
+    assert m["tokens_per_s"] > 0 and m["ttft_s"] > 0 and m["tpot_s"] > 0
+    assert len(result.outputs) == 3 and all(len(o.token_ids) == 24 for o in result.outputs)
+    rounds = sum(result.acceptance_histogram.values())
+    committed = sum(length * count for length, count in result.acceptance_histogram.items())
+    assert m["tau"] == pytest.approx(committed / rounds)
+    assert result.memory_trace.note  # CPU: the tracer says it had nothing to sample
+    if method is Method.AR:
+        assert m["tau"] == 1.0 and set(result.acceptance_histogram) == {1}
+    else:
+        assert m["share_draft"] > 0 and m["share_verify"] > 0
+    assert result.to_dict()["method"] == method.value
+
+
+def test_baseline_is_measured_once_per_prompt_set(worker):
+    worker._baselines.clear()
+    worker.run_trial(_spec(Method.DDTREE, tree_budget=8))
+    worker.run_trial(_spec(Method.DDTREE, tree_budget=32))
+    assert len(worker._baselines) == 1
+    worker.run_trial(TrialSpec(Method.DFLASH, prompts=_prompts(seed=1), max_new_tokens=24, stop_token_ids=()))
+    assert len(worker._baselines) == 2
+
+
+def test_oom_is_a_result_and_the_worker_stays_usable(worker):
+    result = worker.run_trial(_spec(Method.DDTREE, tree_budget=8, fault="oom"))
+    assert result.status == "oom" and "out of memory" in result.error
+    assert "peak_memory_gib" in result.metrics
+    after = worker.run_trial(_spec(Method.DDTREE, tree_budget=8))
+    assert after.status == "ok"
+
+
+def test_errors_are_results_with_the_message(worker):
+    crashed = worker.run_trial(_spec(Method.DFLASH, fault="error"))
+    assert crashed.status == "error" and "injected failure" in crashed.error
+    too_deep = worker.run_trial(_spec(Method.DDTREE, tree_budget=8, max_depth=99))
+    assert too_deep.status == "error" and "max_depth" in too_deep.error
+    no_budget = worker.run_trial(_spec(Method.DDTREE))
+    assert no_budget.status == "error" and "tree budget" in no_budget.error
+    assert worker.run_trial(_spec(Method.AR)).status == "ok"
+
+
+def test_method_needing_a_drafter_without_one(tiny):
+    bare = Worker(WorkerConfig(target=str(tiny.target_dir), dtype="float32", device="cpu")).load()
+    result = bare.run_trial(_spec(Method.DFLASH))
+    assert result.status == "error" and "needs a drafter" in result.error
+    assert bare.run_trial(_spec(Method.AR)).status == "ok"
+
+
+def test_stop_tokens_default_to_the_target_eos(worker):
+    spec = TrialSpec(Method.AR, prompts=_prompts(), max_new_tokens=8)
+    prompts, gen = worker._prepare(spec)
+    assert gen.stop_token_ids == (0,)  # tiny models declare eos_token_id 0
