@@ -81,6 +81,60 @@ def write_tiny_pair(folder: Path, shape: TinyShape = TinyShape(), seed: int = 0)
     return target_dir, drafter_dir
 
 
+def distill_drafter(
+    target_dir: Path, drafter_dir: Path, steps: int = 300, sequences: int = 32, seed: int = 0
+) -> None:
+    """Train the tiny drafter briefly to predict the tiny target's own continuations, in place.
+
+    A random drafter is accepted about 1/V of the time, which makes a demo sweep flat; a few hundred
+    CPU steps of DFlash-style training (random anchors, block [token, MASK...], same-position labels,
+    loss weight decaying with distance) lift tau well above 1 so tree settings matter.
+    """
+    import torch.nn.functional as F
+
+    from workers import ar
+    from workers.drafter import load_drafter
+    from workers.generation import GenerationConfig
+    from workers.loading import Placement, load_target
+    from workers.target import AttentionTarget
+
+    torch.manual_seed(seed)
+    model = load_target(str(target_dir), dtype="float32", placement=Placement(device="cpu"))
+    drafter = load_drafter(str(drafter_dir), model)
+    target = AttentionTarget(model, drafter.spec.target_layer_ids)
+    vocab, block = model.config.vocab_size - 1, drafter.block_size
+    texts, taps = [], []
+    for index in range(sequences):  # half greedy, half sampled: the drafter sees both kinds of text
+        prompt = torch.randint(1, vocab, (1, 8))
+        config = GenerationConfig(48, temperature=0.0 if index % 2 == 0 else 0.8, seed=index)
+        text = torch.cat((prompt[0], torch.tensor(ar.generate(target, None, prompt, config).token_ids)))
+        with torch.no_grad():
+            target.start(capacity=text.numel() + 1, max_verify=1)
+            taps.append(target.prefill(text.unsqueeze(0)).taps)
+        texts.append(text)
+    target.close()
+
+    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    weights = torch.exp(-torch.arange(block - 1) / 7.0)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    drafter.train()
+    for _ in range(steps):
+        pick = int(torch.randint(len(texts), ()))
+        text, tap = texts[pick], taps[pick]
+        anchor = int(torch.randint(4, text.numel() - block, ()))
+        block_ids = torch.full((1, block), drafter.spec.mask_token_id)
+        block_ids[0, 0] = text[anchor]
+        with torch.no_grad():
+            block_embeds = embed(block_ids)
+        hidden = drafter(block_embeds, tap[:, :anchor], drafter.new_cache(anchor + block))
+        losses = F.cross_entropy(lm_head(hidden[0, 1:]), text[anchor + 1 : anchor + block], reduction="none")
+        ((losses * weights).sum() / weights.sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    raw = json.loads((drafter_dir / "config.json").read_text())
+    save_drafter(drafter.eval(), drafter_dir, raw)
+
+
 def _spread(module: torch.nn.Module, std: float) -> None:
     """Re-draw every matrix with a large std (norm weights stay at one)."""
     with torch.no_grad():
@@ -105,8 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workers.tiny", description=main.__doc__)
     parser.add_argument("folder", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--distill-steps", type=int, default=600, help="drafter training steps (0: random drafter)")
     args = parser.parse_args(argv)
     target_dir, drafter_dir = write_tiny_pair(args.folder, seed=args.seed)
+    if args.distill_steps:
+        distill_drafter(target_dir, drafter_dir, steps=args.distill_steps, seed=args.seed)
     write_prompts(args.folder / "prompts.jsonl")
     print(f"wrote {target_dir}, {drafter_dir} and {args.folder / 'prompts.jsonl'}")
     return 0

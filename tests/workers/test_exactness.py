@@ -282,15 +282,19 @@ STOP_ENGINES = [
 @pytest.mark.parametrize("name", FIXTURES)
 def test_stop_tokens_end_every_engine_at_the_same_place(request, name):
     tiny = models(request, name)
-    mid_round_stops = 0
-    for index in (0, 3, 5, 7, 10):
+    mid_round_stops, used = 0, 0
+    for index in range(len(PROMPT_LENGTHS)):
+        if used == 4:
+            break
         prompt, reference = prompts(name)[index], ar_reference(tiny, name, index)[:40]
-        first_seen = {}
+        first_seen: dict[int, int] = {}
         for position, token in enumerate(reference):
             first_seen.setdefault(token, position)
         # stop tokens whose first occurrence is mid-output (not the prefill token)
         candidates = sorted(pos for pos in first_seen.values() if pos >= 1)
-        assert candidates, "reference output has a single distinct token: pick another prompt"
+        if len(candidates) < 2:
+            continue  # (the vocab-6 model often settles on one token: nothing to stop on)
+        used += 1
         middle = candidates[len(candidates) // 2]
 
         # AR itself honours the stop (and a set of two stops ends at the earlier one)
@@ -324,6 +328,7 @@ def test_stop_tokens_end_every_engine_at_the_same_place(request, name):
         for engine, params in [("ar", None), *STOP_ENGINES[::2]]:
             out = run(engine, tiny, prompt, config, params, fixture=name)
             assert out.token_ids == reference[:1] and out.acceptance_lengths == []
+    assert used >= 2, "too few prompts with distinct tokens to stop on"
     assert mid_round_stops >= 3, "no stop landed inside a multi-token round: the check is vacuous"
 
 
@@ -335,25 +340,27 @@ LIMIT_ENGINES = [
     ("dflash", DFlashParams(2)),
     ("ddtree", TreeParams(8)),
     ("ddtree", TreeParams(32, max_depth=3, branching=2)),
+    ("ddtree", TreeParams(64)),
 ]
+LIMITS = (1, 2, 3, 7, 13, 50)
 
 
 @pytest.mark.parametrize("name", FIXTURES)
-@pytest.mark.parametrize("max_new", (1, 2, 3, 7, 13, 50))
-def test_max_new_tokens_cuts_exactly(request, name, max_new):
+def test_max_new_tokens_cuts_exactly(request, name):
     tiny = models(request, name)
-    mid_round = 0
-    for engine, params in LIMIT_ENGINES:
-        for index in (1, 6, 8):
-            config = GenerationConfig(max_new_tokens=max_new, seed=index)
-            out = run(engine, tiny, prompts(name)[index], config, params, fixture=name)
-            assert out.token_ids == ar_reference(tiny, name, index)[:max_new], (engine, params, index)
-            assert len(out.token_ids) == max_new
-            mid_round += ended_mid_round(out)
-    if max_new == 1:
-        assert mid_round == 0  # the prefill token alone: no round at all
-    elif name == "tiny_small_vocab" or max_new >= 7:
-        assert mid_round > 0, "no run ended inside a round: the limit check is vacuous"
+    mid_round = dict.fromkeys(LIMITS, 0)  # runs whose last round accepted more than was still needed
+    for max_new in LIMITS:
+        for engine, params in LIMIT_ENGINES:
+            for index in (1, 6, 8):
+                config = GenerationConfig(max_new_tokens=max_new, seed=index)
+                out = run(engine, tiny, prompts(name)[index], config, params, fixture=name)
+                assert out.token_ids == ar_reference(tiny, name, index)[:max_new], (max_new, engine, params, index)
+                assert len(out.token_ids) == max_new
+                mid_round[max_new] += ended_mid_round(out)
+    assert mid_round[1] == 0  # the prefill token alone: no round at all
+    assert sum(mid_round.values()) >= 5, f"too few runs ended inside a round: {mid_round}"
+    if name == "tiny_small_vocab":  # drafts are accepted often here: every limit >= 2 was cut mid-round
+        assert all(mid_round[n] > 0 for n in LIMITS[1:]), mid_round
 
 
 # --- stage timer -----------------------------------------------------------------------------------
