@@ -37,6 +37,15 @@ _AR_REF: dict[tuple[str, int], list[int]] = {}
 # --- helpers ---------------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices gain nothing from intra-op threads; one thread is as fast and leaves a core free."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def models(request: pytest.FixtureRequest, name: str):
     tiny = request.getfixturevalue(name)
     assert tiny.shape.block_size == BLOCK[name] and tiny.shape.vocab_size == VOCAB[name]
@@ -58,8 +67,9 @@ def ar_reference(tiny, name: str, index: int) -> list[int]:
     """Greedy AR output of REF_TOKENS tokens for prompt ``index`` (no stops); shorter runs are prefixes."""
     key = (name, index)
     if key not in _AR_REF:
-        out = ar.generate(tiny.target, None, prompts(name)[index], GenerationConfig(max_new_tokens=REF_TOKENS))
-        check_run(out, "ar", GenerationConfig(max_new_tokens=REF_TOKENS), max_round=1)
+        config = GenerationConfig(max_new_tokens=REF_TOKENS)
+        out = ar.generate(tiny.target, None, prompts(name)[index], config)
+        check_run(out, "ar", config, max_round=1)
         _AR_REF[key] = out.token_ids
     return _AR_REF[key]
 
@@ -100,7 +110,8 @@ def run(
     drafter = None if engine == "ar" else tiny.drafter
     kwargs = {} if timer is None else {"timer": timer}
     out = ENGINES[engine](target or tiny.target, drafter, prompt, config, params, **kwargs)
-    check_run(out, engine, config, round_bound(engine, params, tiny.shape.block_size), timed=timer is not None)
+    bound = round_bound(engine, params, tiny.shape.block_size)
+    check_run(out, engine, config, bound, timed=timer is not None)
     if engine != "ar":
         RUN_LOG.append(
             {
@@ -114,7 +125,9 @@ def run(
     return out
 
 
-def check_run(out: GenerationOutput, engine: str, config: GenerationConfig, max_round: int, timed: bool = False) -> None:
+def check_run(
+    out: GenerationOutput, engine: str, config: GenerationConfig, max_round: int, timed: bool = False
+) -> None:
     tokens, lengths = out.token_ids, out.acceptance_lengths
     stops = set(config.stop_token_ids)
     assert 1 <= len(tokens) <= config.max_new_tokens
@@ -179,7 +192,8 @@ def test_dflash_greedy_equals_ar(request, name, num_draft):
         index = (start + 3 * k) % len(PROMPT_LENGTHS)
         config = GenerationConfig(max_new_tokens=24, seed=100 * k + 7)
         out = run("dflash", tiny, prompts(name)[index], config, params, fixture=name)
-        assert out.token_ids == expected_tokens(ar_reference(tiny, name, index), config), (index, out.acceptance_lengths)
+        expected = expected_tokens(ar_reference(tiny, name, index), config)
+        assert out.token_ids == expected, (index, out.acceptance_lengths)
 
 
 # --- DDTree ----------------------------------------------------------------------------------------
@@ -194,7 +208,8 @@ def _ddtree_cases():
         for i, budget in enumerate(BUDGETS):
             for j, depth in enumerate(depths):
                 branching = BRANCHINGS[(i + j) % len(BRANCHINGS)]
-                cases.append(pytest.param(name, budget, depth, branching, id=f"{name}-B{budget}-D{depth}-K{branching}"))
+                case_id = f"{name}-B{budget}-D{depth}-K{branching}"
+                cases.append(pytest.param(name, budget, depth, branching, id=case_id))
     return cases
 
 
@@ -206,7 +221,8 @@ def test_ddtree_greedy_equals_ar(request, name, budget, max_depth, branching):
     for k, index in enumerate((first, (first + 6) % len(PROMPT_LENGTHS))):
         config = GenerationConfig(max_new_tokens=20, seed=budget * 31 + k)
         out = run("ddtree", tiny, prompts(name)[index], config, params, fixture=name)
-        assert out.token_ids == expected_tokens(ar_reference(tiny, name, index), config), (index, out.acceptance_lengths)
+        expected = expected_tokens(ar_reference(tiny, name, index), config)
+        assert out.token_ids == expected, (index, out.acceptance_lengths)
 
 
 def test_ddtree_reference_tree_shape_equals_ar(request):
@@ -314,7 +330,8 @@ def test_stop_tokens_end_every_engine_at_the_same_place(request, name):
                 if first_seen[reference[pos]] == pos
             ]
             for position in sorted({middle, *inside[:2]}):
-                config = GenerationConfig(max_new_tokens=40, stop_token_ids=(reference[position],), seed=position)
+                stop = (reference[position],)
+                config = GenerationConfig(max_new_tokens=40, stop_token_ids=stop, seed=position)
                 out = run(engine, tiny, prompt, config, params, fixture=name)
                 assert out.token_ids == reference[: position + 1], (engine, params, position)
                 assert out.token_ids[-1] == reference[position]
@@ -354,7 +371,8 @@ def test_max_new_tokens_cuts_exactly(request, name):
             for index in (1, 6, 8):
                 config = GenerationConfig(max_new_tokens=max_new, seed=index)
                 out = run(engine, tiny, prompts(name)[index], config, params, fixture=name)
-                assert out.token_ids == ar_reference(tiny, name, index)[:max_new], (max_new, engine, params, index)
+                expected = ar_reference(tiny, name, index)[:max_new]
+                assert out.token_ids == expected, (max_new, engine, params, index)
                 assert len(out.token_ids) == max_new
                 mid_round[max_new] += ended_mid_round(out)
     assert mid_round[1] == 0  # the prefill token alone: no round at all
@@ -390,7 +408,8 @@ def test_stage_timer_records_stages(tiny, engine, params, stages):
 
 def test_speculative_runs_accepted_multi_token_rounds(request):
     # Top up the log so this test also stands alone (e.g. under -k): a few default-setting runs.
-    for name, (engine, params) in itertools.product(FIXTURES, (("dflash", DFlashParams()), ("ddtree", TreeParams(16)))):
+    defaults = (("dflash", DFlashParams()), ("ddtree", TreeParams(16)))
+    for name, (engine, params) in itertools.product(FIXTURES, defaults):
         tiny = models(request, name)
         for index in (0, 2, 4, 6):
             config = GenerationConfig(max_new_tokens=24)

@@ -1,0 +1,301 @@
+"""Sweep files: YAML -> a validated ``SweepConfig`` (pydantic), or one clear error naming the field.
+
+Relative paths (prompts, SQLite stores, local model folders) resolve against the directory the
+command runs in and are made absolute here, before anything else sees them. Unknown keys are refused.
+Nothing in this module creates files, studies or runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from workers.errors import BadInputError
+
+# Metrics a sweep can optimise or constrain (names as in DESIGN.md and the worker's results).
+METRICS = ("tokens_per_s", "tau", "speedup", "ttft_s", "tpot_s", "peak_memory_gib", "lossless_match")
+# Tunable parameters per method; each maps to a TrialSpec field of the same name.
+METHOD_PARAMS = {
+    "ddtree": ("tree_budget", "max_depth", "branching"),
+    "dflash": ("num_draft_tokens",),
+    "ar": (),
+}
+_MEMORY = re.compile(r"^\d+(\.\d+)?\s*(GiB|GB|MiB|MB)$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TargetSection(_Strict):
+    model: str = Field(description="hub id or local folder of the target causal LM")
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+
+
+class DrafterSection(_Strict):
+    model: str = Field(description="hub id or local folder of the DFlash drafter (z-lab layout)")
+
+
+class WorkersSection(_Strict):
+    count: int = Field(1, ge=1, description="Ray actors, each with its own copy of the models")
+    gpus_per_worker: int = Field(1, ge=0, description="GPUs per actor; the target is split over them; 0 = CPU")
+    max_memory_per_gpu: str | None = Field(None, description="cap per GPU for the target's weights, e.g. 44GiB")
+    resources: dict[str, float] = Field(default_factory=dict, description="Ray custom resources per actor")
+    max_restarts: int = Field(1, ge=0, description="times a dead actor is restarted (models reloaded)")
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="where an actor runs its models; auto = cuda when gpus_per_worker > 0"
+    )
+
+    @field_validator("max_memory_per_gpu")
+    @classmethod
+    def _memory(cls, value: str | None) -> str | None:
+        if value is not None and not _MEMORY.match(value):
+            raise ValueError(f"must look like '44GiB' or '40000MiB', got {value!r}")
+        return value
+
+
+class PromptsSection(_Strict):
+    path: Path
+    limit: int | None = Field(None, ge=1)
+    max_new_tokens: int = Field(256, ge=1)
+
+
+class GenerationSection(_Strict):
+    temperature: float = Field(0.0, ge=0.0)
+    seed: int = 0
+    stop_token_ids: list[int] | None = None
+
+
+class IntParam(_Strict):
+    type: Literal["int"]
+    low: int
+    high: int
+    log: bool = False
+    step: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _range(self) -> IntParam:
+        if self.low > self.high:
+            raise ValueError(f"low ({self.low}) is greater than high ({self.high})")
+        if self.log and self.low < 1:
+            raise ValueError("log=true needs low >= 1")
+        return self
+
+    def values(self) -> list[int]:
+        return list(range(self.low, self.high + 1, self.step))
+
+
+class CategoricalParam(_Strict):
+    type: Literal["categorical"]
+    choices: list[int | None] = Field(min_length=1)
+
+    def values(self) -> list[int | None]:
+        return list(self.choices)
+
+
+Param = Annotated[IntParam | CategoricalParam, Field(discriminator="type")]
+
+
+class Objective(_Strict):
+    metric: Literal[METRICS]  # type: ignore[valid-type]
+    direction: Literal["maximize", "minimize"]
+
+
+class Bound(_Strict):
+    max: float | None = None
+    min: float | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> Bound:
+        if self.max is None and self.min is None:
+            raise ValueError("give max, min or both")
+        return self
+
+
+class SamplerSection(_Strict):
+    type: Literal["tpe", "random", "grid", "nsga2"] = "tpe"
+    seed: int | None = 0
+
+
+class MlflowSection(_Strict):
+    tracking_uri: str = "sqlite:///runs/mlflow.db"
+    experiment: str = "specdec"
+
+
+class RaySection(_Strict):
+    address: str | None = None  # None: a local Ray; "auto" or host:port: join a cluster
+    num_cpus: int | None = Field(None, ge=1, description="local Ray only: logical CPUs (default: all)")
+    num_gpus: int | None = Field(None, ge=0, description="local Ray only: logical GPUs (default: detected)")
+
+
+class MemoryTraceSection(_Strict):
+    interval_ms: float = Field(50.0, gt=0)
+
+
+class SweepConfig(_Strict):
+    name: str = Field(min_length=1, description="Optuna study name; the same file resumes the same study")
+    method: Literal["ddtree", "dflash", "ar"]
+    target: TargetSection
+    drafter: DrafterSection | None = None
+    workers: WorkersSection = WorkersSection()
+    prompts: PromptsSection
+    generation: GenerationSection = GenerationSection()
+    search_space: dict[str, Param] = Field(default_factory=dict)
+    fixed_params: dict[str, int | None] = Field(default_factory=dict, description="method params not swept")
+    objectives: list[Objective] = Field(min_length=1, max_length=2)
+    constraints: dict[Literal[METRICS], Bound] = Field(default_factory=dict)  # type: ignore[valid-type]
+    sampler: SamplerSection = SamplerSection()
+    n_trials: int = Field(ge=1, description="COMPLETE trials wanted")
+    storage: str = "sqlite:///runs/optuna.db"
+    mlflow: MlflowSection = MlflowSection()
+    ray: RaySection = RaySection()
+    memory_trace: MemoryTraceSection = MemoryTraceSection()
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> SweepConfig:
+        allowed = METHOD_PARAMS[self.method]
+        for section in ("search_space", "fixed_params"):
+            for name in getattr(self, section):
+                if name not in allowed:
+                    raise ValueError(
+                        f"{section}.{name}: not a parameter of method '{self.method}' "
+                        f"(its parameters: {', '.join(allowed) or 'none'})"
+                    )
+        both = set(self.search_space) & set(self.fixed_params)
+        if both:
+            raise ValueError(f"fixed_params and search_space both set {sorted(both)}")
+        if self.method != "ar" and self.drafter is None:
+            raise ValueError(f"drafter: method '{self.method}' needs a drafter")
+        if self.method == "ddtree" and "tree_budget" not in self.search_space and "tree_budget" not in self.fixed_params:
+            raise ValueError("search_space.tree_budget: method 'ddtree' needs a tree budget (swept or fixed)")
+        metrics = [objective.metric for objective in self.objectives]
+        if len(set(metrics)) != len(metrics):
+            raise ValueError(f"objectives: the same metric twice ({metrics})")
+        if self.sampler.type == "grid":
+            bad = [n for n, p in self.search_space.items() if isinstance(p, IntParam) and p.log]
+            if bad:
+                raise ValueError(f"search_space.{bad[0]}: a grid sampler takes every step; drop log=true")
+        return self
+
+    def fingerprint(self) -> str:
+        """Hash of the fields that define what a study measures; a changed one means a new study."""
+        defining = {
+            "method": self.method,
+            "target": self.target.model,
+            "drafter": self.drafter.model if self.drafter else None,
+            "search_space": {k: v.model_dump() for k, v in sorted(self.search_space.items())},
+            "fixed_params": dict(sorted(self.fixed_params.items())),
+            "objectives": [o.model_dump() for o in self.objectives],
+        }
+        return hashlib.sha256(json.dumps(defining, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def defining_summary(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "target": self.target.model,
+            "drafter": self.drafter.model if self.drafter else None,
+            "search_space": {k: v.model_dump() for k, v in self.search_space.items()},
+            "fixed_params": self.fixed_params,
+            "objectives": [f"{o.direction} {o.metric}" for o in self.objectives],
+        }
+
+
+def _absolute_sqlite(url: str, base: Path) -> str:
+    """sqlite:///relative.db -> sqlite:////abs/relative.db (other URLs unchanged)."""
+    prefix = "sqlite:///"
+    if url.startswith(prefix) and not url.startswith(prefix + "/") and url != "sqlite:///:memory:":
+        return prefix + str((base / url[len(prefix):]).resolve())
+    return url
+
+
+def _absolute_model(name: str, base: Path) -> str:
+    """Local folders become absolute; hub ids (org/name that is not a local path) stay as they are."""
+    candidate = base / name
+    if name.startswith((".", "/", "~")) or candidate.exists():
+        return str(Path(name).expanduser() if name.startswith("~") else candidate.resolve())
+    return name
+
+
+def load_sweep(path: str | Path, base: Path | None = None) -> SweepConfig:
+    """Read and validate a sweep file; relative paths resolve against ``base`` (default: the cwd)."""
+    path = Path(path)
+    base = (base or Path.cwd()).resolve()
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise BadInputError(f"{path}: cannot read the sweep file ({exc.strerror})") from exc
+    except yaml.YAMLError as exc:
+        raise BadInputError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
+    if not isinstance(raw, dict):
+        raise BadInputError(f"{path}: the sweep file must be a YAML mapping at the top level")
+    try:
+        config = SweepConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise BadInputError(f"{path}: {_first_error(exc)}") from exc
+    updates: dict[str, Any] = {
+        "prompts": config.prompts.model_copy(update={"path": (base / config.prompts.path).resolve()}),
+        "target": config.target.model_copy(update={"model": _absolute_model(config.target.model, base)}),
+        "storage": _absolute_sqlite(config.storage, base),
+        "mlflow": config.mlflow.model_copy(update={"tracking_uri": _absolute_sqlite(config.mlflow.tracking_uri, base)}),
+    }
+    if config.drafter is not None:
+        updates["drafter"] = config.drafter.model_copy(update={"model": _absolute_model(config.drafter.model, base)})
+    config = config.model_copy(update=updates)
+    if not config.prompts.path.is_file():
+        raise BadInputError(f"{path}: prompts.path: no such file {config.prompts.path}")
+    return config
+
+
+def _first_error(exc: ValidationError) -> str:
+    """pydantic's first error as 'field.path: message' (one line, the field named as in the YAML)."""
+    error = exc.errors()[0]
+    where = ".".join(str(part) for part in error["loc"] if not str(part).startswith(("IntParam", "CategoricalParam")))
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "missing":
+        message = "missing required field"
+    elif error["type"] == "extra_forbidden":
+        message = "unknown field"
+    elif error["type"] == "literal_error":
+        message = f"{message} (got {error.get('input')!r})"
+    if error["type"] == "union_tag_invalid" or error["type"] == "union_tag_not_found":
+        message = "type must be 'int' or 'categorical'"
+    return f"{where}: {message}" if where else message
+
+
+def drafter_block_size(config: SweepConfig) -> int | None:
+    """The drafter's block size when its config is on this machine (local folder), else None."""
+    if config.drafter is None:
+        return None
+    path = Path(config.drafter.model) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        return int(json.loads(path.read_text())["block_size"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BadInputError(f"{path}: cannot read the drafter's block_size ({exc})") from exc
+
+
+def check_against_block(config: SweepConfig, block_size: int | None, source: str) -> None:
+    """Depth and chain-length settings must fit the drafter's block (1..block_size-1)."""
+    if block_size is None:
+        return
+    limit = block_size - 1
+    for name in ("max_depth", "num_draft_tokens"):
+        values: list[int | None] = []
+        if name in config.search_space:
+            values = config.search_space[name].values()
+        elif name in config.fixed_params:
+            values = [config.fixed_params[name]]
+        too_big = [v for v in values if v is not None and v > limit]
+        if too_big:
+            where = "search_space" if name in config.search_space else "fixed_params"
+            raise BadInputError(
+                f"{source}: {where}.{name}: {max(too_big)} exceeds the drafter's block_size-1 = {limit}"
+            )

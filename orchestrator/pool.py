@@ -1,0 +1,108 @@
+"""Ray actors that keep a target and a drafter resident and run trials, one in flight per actor.
+
+The actor is a thin shell over ``workers.worker.Worker``: the models load in ``__init__`` (so a
+Ray restart reloads them), ``run_trial`` returns the result as a plain dict. Ray gives an actor
+``num_gpus=k`` GPUs by setting CUDA_VISIBLE_DEVICES before its code runs; a 0-GPU actor would
+inherit every GPU under Ray 2.60, so it gets CUDA_VISIBLE_DEVICES="" explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from orchestrator.config import SweepConfig
+from workers.worker import TrialSpec, Worker, WorkerConfig
+
+ACTOR_DEATH = (ActorDiedError, ActorUnavailableError, RayActorError)
+
+
+class GenerationActor:
+    """Runs inside Ray. Never touches Optuna or MLflow."""
+
+    def __init__(self, worker_config: dict[str, Any]) -> None:
+        self.worker = Worker(WorkerConfig(**worker_config)).load()
+
+    def info(self) -> dict[str, Any]:
+        context = ray.get_runtime_context()
+        return {
+            "node_id": context.get_node_id(),
+            "pid": os.getpid(),
+            "gpu_ids": [str(g) for g in context.get_accelerator_ids().get("GPU", [])],
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "block_size": self.worker.block_size,
+        }
+
+    def run_trial(self, spec: TrialSpec) -> dict[str, Any]:
+        return self.worker.run_trial(spec).to_dict()
+
+
+def worker_config(config: SweepConfig) -> dict[str, Any]:
+    gpus = config.workers.gpus_per_worker
+    return asdict(
+        WorkerConfig(
+            target=config.target.model,
+            drafter=config.drafter.model if config.drafter else None,
+            dtype=config.target.dtype,
+            device=config.workers.device if config.workers.device != "auto" else ("cuda" if gpus > 0 else "cpu"),
+            gpus=max(gpus, 1),
+            max_memory_per_gpu=config.workers.max_memory_per_gpu,
+            attn_implementation=config.target.attn_implementation,
+            memory_interval_ms=config.memory_trace.interval_ms,
+        )
+    )
+
+
+def actor_options(config: SweepConfig) -> dict[str, Any]:
+    gpus = config.workers.gpus_per_worker
+    env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
+    if gpus == 0:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # Ray 2.60 no longer hides GPUs from 0-GPU actors
+    return {
+        "num_gpus": gpus,
+        "num_cpus": 1,
+        "resources": dict(config.workers.resources),
+        "max_restarts": config.workers.max_restarts,
+        "max_task_retries": 0,  # the driver decides about retries (trial attempts)
+        "runtime_env": {"env_vars": env},
+    }
+
+
+@dataclass
+class Slot:
+    """One actor and what it is doing, for the driver loop and the progress display."""
+
+    index: int
+    handle: Any
+    state: str = "loading"
+    trial_number: int | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def start_actor(config: SweepConfig):
+    remote = ray.remote(GenerationActor)
+    return remote.options(**actor_options(config)).remote(worker_config(config))
+
+
+def start_pool(config: SweepConfig) -> list[Slot]:
+    """Start every actor, wait until all have loaded their models, and read where they landed."""
+    slots = [Slot(index, start_actor(config)) for index in range(config.workers.count)]
+    infos = ray.get([slot.handle.info.remote() for slot in slots])
+    for slot, info in zip(slots, infos, strict=True):
+        slot.info, slot.state = info, "idle"
+    return slots
+
+
+def replace_actor(config: SweepConfig, slot: Slot) -> None:
+    """A dead actor whose restarts are spent: a fresh one in its slot (models loaded again)."""
+    try:
+        ray.kill(slot.handle, no_restart=True)
+    except Exception:  # already gone
+        pass
+    slot.handle = start_actor(config)
+    slot.info = ray.get(slot.handle.info.remote())
+    slot.state = "idle"

@@ -1,0 +1,100 @@
+"""Run a sweep: ``python -m orchestrator.sweep SWEEP.yaml [--dry-run] [--new-study]``.
+
+The driver validates the file, starts (or joins) Ray, places one generation actor per GPU group,
+then loops: ask Optuna for a setting, hand it to an idle actor, wait for any result, log it to
+MLflow, tell Optuna. Running the same command again resumes the study. Exit status: 0 when the
+sweep is done, 2 on bad input (nothing created), 130 when interrupted (in-flight trials KILLED and
+queued to run again on resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+from orchestrator.config import SweepConfig, check_against_block, drafter_block_size, load_sweep
+from workers.errors import BadInputError
+
+EXIT_OK, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 2, 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m orchestrator.sweep",
+        description="Sweep DDTree / DFlash settings with Ray actors, Optuna and MLflow; re-run to resume.",
+    )
+    parser.add_argument("sweep", type=Path, help="the sweep YAML file")
+    parser.add_argument("--dry-run", action="store_true", help="validate and print the plan; start nothing")
+    parser.add_argument("--new-study", action="store_true",
+                        help="when the file's definition changed, start a new study <name>@k instead of refusing")
+    return parser
+
+
+def validate(path: Path) -> SweepConfig:
+    """Everything that can be checked without starting anything; raises BadInputError."""
+    from orchestrator.study import check_storage
+    from orchestrator.tracking import check_tracking_uri
+
+    config = load_sweep(path)
+    check_against_block(config, drafter_block_size(config), str(path))
+    check_storage(config.storage)
+    check_tracking_uri(config.mlflow.tracking_uri)
+    return config
+
+
+def plan_text(config: SweepConfig, path: Path) -> str:
+    from orchestrator.study import grid_points, target_complete
+
+    w = config.workers
+    lines = [
+        f"sweep      {config.name} ({path})  fingerprint {config.fingerprint()}",
+        f"method     {config.method}: target {config.target.model} ({config.target.dtype})"
+        + (f", drafter {config.drafter.model}" if config.drafter else ""),
+        f"ray        {'local cluster' if config.ray.address is None else 'join ' + config.ray.address}",
+        f"actors     {w.count} x {w.gpus_per_worker} GPU(s)"
+        + (f", max {w.max_memory_per_gpu} per GPU" if w.max_memory_per_gpu else "")
+        + (f", resources {w.resources}" if w.resources else ""),
+        f"prompts    {config.prompts.path} (limit {config.prompts.limit}, {config.prompts.max_new_tokens} new tokens)",
+        f"sampler    {config.sampler.type} (seed {config.sampler.seed}); {target_complete(config)} complete trials wanted",
+    ]
+    for name, space in config.search_space.items():
+        lines.append(f"  {name:<17} {space.model_dump(exclude={'type'})}")
+    for name, value in config.fixed_params.items():
+        lines.append(f"  {name:<17} fixed {value}")
+    if config.sampler.type == "grid":
+        lines.append(f"  grid points       {len(grid_points(config))}")
+    objectives = ", ".join(f"{o.direction} {o.metric}" for o in config.objectives)
+    constraints = ", ".join(f"{k} {v.model_dump(exclude_none=True)}" for k, v in config.constraints.items())
+    lines += [
+        f"objectives {objectives}" + (f"; constraints {constraints}" if constraints else ""),
+        f"optuna     {config.storage}",
+        f"mlflow     {config.mlflow.tracking_uri} experiment '{config.mlflow.experiment}'",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = validate(args.sweep)
+    except BadInputError as exc:
+        print(f"orchestrator.sweep: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.dry_run:
+        print(plan_text(config, args.sweep))
+        return EXIT_OK
+    from orchestrator.driver import Driver
+
+    # SIGTERM stops as cleanly as Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        return Driver(config, args.sweep, new_study=args.new_study).run()
+    except BadInputError as exc:
+        print(f"orchestrator.sweep: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())
