@@ -1,5 +1,5 @@
 # Set-up and the two everyday commands. Everything installs into .venv on first use.
-#   make demo   - the main job on the offline tiny models (CPU, a few minutes)
+#   make demo   - the main job: a DDTree sweep on offline tiny models (CPU, a few minutes), then its report
 #   make test   - the test suite (CPU)
 # TORCH picks the torch requirement: the default is the CPU build; on a CUDA machine use TORCH=torch.
 PYTHON ?= python3
@@ -19,9 +19,9 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	$(PY) -m workers.tiny models/tiny
-	$(PY) -m workers.bench --target models/tiny/target --drafter models/tiny/drafter --prompts models/tiny/prompts.jsonl \
-		--dtype float32 --method ddtree --tree-budget 32 --max-new-tokens 64
+	test -f models/tiny/drafter/model.safetensors || $(PY) -m workers.tiny models/tiny
+	$(PY) -m orchestrator.sweep sweeps/demo.yaml
+	$(PY) -m orchestrator.report sweeps/demo.yaml
 
 test: install
 	$(PY) -m pytest -q

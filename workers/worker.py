@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -69,7 +70,7 @@ class TrialSpec:
     stage_timing: bool = True  # per-stage shares; synchronises the GPU around stages
     warmup: bool = True
     baseline: bool = True  # also measure (once, cached) AR on the same prompts: speedup, lossless_match
-    fault: str | None = None  # "oom" | "error": raise inside the trial (fault-injection tests)
+    fault: str | None = None  # "oom" | "error" | "crash": fault injection for tests (crash kills the process)
 
     def params(self) -> dict[str, Any]:
         if self.method is Method.DDTREE:
@@ -141,6 +142,8 @@ class Worker:
                     raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected by TrialSpec.fault)")
                 if spec.fault == "error":
                     raise RuntimeError("injected failure (TrialSpec.fault)")
+                if spec.fault == "crash":  # the process dies as on a CUDA illegal-address abort
+                    os._exit(17)
                 prompts, gen = self._prepare(spec)
                 baseline = self._baseline(spec, prompts, gen) if spec.baseline else None
                 outputs = self._generate_all(spec, prompts, gen)

@@ -403,15 +403,37 @@ def test_stage_timer_records_stages(tiny, engine, params, stages):
     assert out.token_ids == expected_tokens(ar_reference(tiny, "tiny", 1), config)
 
 
+# --- settings outside the drafter's block are refused ---------------------------------------------
+
+
+def test_out_of_range_settings_are_refused(tiny):
+    prompt, config = prompts("tiny")[2], GenerationConfig(max_new_tokens=4)
+    block = tiny.shape.block_size
+    for bad in (0, block):
+        with pytest.raises(ValueError, match="num_draft_tokens"):
+            dflash.generate(tiny.target, tiny.drafter, prompt, config, DFlashParams(bad))
+    with pytest.raises(ValueError, match="max_depth"):
+        ddtree.generate(tiny.target, tiny.drafter, prompt, config, TreeParams(8, max_depth=block))
+    for kwargs in ({"budget": 0}, {"budget": 4, "max_depth": 0}, {"budget": 4, "branching": 0}):
+        with pytest.raises(ValueError):
+            TreeParams(**kwargs)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        GenerationConfig(max_new_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        GenerationConfig(max_new_tokens=4, temperature=-0.5)
+
+
 # --- the sweep was not vacuous (keep last: it reads RUN_LOG) -------------------------------------
 
 
 def test_speculative_runs_accepted_multi_token_rounds(request):
-    # Top up the log so this test also stands alone (e.g. under -k): a few default-setting runs.
+    # After the whole module RUN_LOG holds 600+ runs. Selected alone (e.g. under -k), run a sweep of
+    # default settings first so the assertions below still mean something.
+    standalone = len(RUN_LOG) < 100
     defaults = (("dflash", DFlashParams()), ("ddtree", TreeParams(16)))
     for name, (engine, params) in itertools.product(FIXTURES, defaults):
         tiny = models(request, name)
-        for index in (0, 2, 4, 6):
+        for index in range(len(PROMPT_LENGTHS)) if standalone else (0, 2):
             config = GenerationConfig(max_new_tokens=24)
             out = run(engine, tiny, prompts(name)[index], config, params, fixture=name)
             assert out.token_ids == expected_tokens(ar_reference(tiny, name, index), config)
