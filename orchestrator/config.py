@@ -86,6 +86,8 @@ class IntParam(_Strict):
             raise ValueError(f"low ({self.low}) is greater than high ({self.high})")
         if self.log and self.low < 1:
             raise ValueError("log=true needs low >= 1")
+        if self.log and self.step != 1:
+            raise ValueError("log=true cannot be combined with step > 1 (Optuna refuses it)")
         return self
 
     def values(self) -> list[int]:
@@ -168,6 +170,17 @@ class SweepConfig(_Strict):
                         f"{section}.{name}: not a parameter of method '{self.method}' "
                         f"(its parameters: {', '.join(allowed) or 'none'})"
                     )
+        for name in allowed:  # every setting a trial can get must be a valid engine parameter
+            if name in self.search_space:
+                values, where = self.search_space[name].values(), f"search_space.{name}"
+            elif name in self.fixed_params:
+                values, where = [self.fixed_params[name]], f"fixed_params.{name}"
+            else:
+                continue
+            if name == "tree_budget" and None in values:
+                raise ValueError(f"{where}: a tree budget must be a number (null is not allowed)")
+            if any(v is not None and v < 1 for v in values):
+                raise ValueError(f"{where}: values must be >= 1 (got {min(v for v in values if v is not None)})")
         both = set(self.search_space) & set(self.fixed_params)
         if both:
             raise ValueError(f"fixed_params and search_space both set {sorted(both)}")
@@ -189,6 +202,7 @@ class SweepConfig(_Strict):
         defining = {
             "method": self.method,
             "target": self.target.model,
+            "dtype": self.target.dtype,
             "drafter": self.drafter.model if self.drafter else None,
             "search_space": {k: v.model_dump() for k, v in sorted(self.search_space.items())},
             "fixed_params": dict(sorted(self.fixed_params.items())),
@@ -256,7 +270,11 @@ def load_sweep(path: str | Path, base: Path | None = None) -> SweepConfig:
 def _first_error(exc: ValidationError) -> str:
     """pydantic's first error as 'field.path: message' (one line, the field named as in the YAML)."""
     error = exc.errors()[0]
-    where = ".".join(str(part) for part in error["loc"] if not str(part).startswith(("IntParam", "CategoricalParam")))
+    parts = list(error["loc"])
+    # Drop pydantic's own location parts: the union tag after a search-space entry, and '[key]' markers.
+    if len(parts) >= 3 and parts[0] == "search_space" and parts[2] in ("int", "categorical"):
+        del parts[2]
+    where = ".".join(str(part) for part in parts if str(part) != "[key]")
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "missing":
         message = "missing required field"

@@ -43,7 +43,19 @@ def check_storage(url: str, field: str = "storage") -> None:
         with engine.connect():
             pass
     except Exception as exc:  # drivers raise many types; the user needs the URL and the reason
-        raise BadInputError(f"{field}: cannot connect to {url} ({str(exc).splitlines()[0]})") from exc
+        shown = _hide_password(url)
+        reason = str(exc).splitlines()[0].replace(url, shown)
+        raise BadInputError(f"{field}: cannot connect to {shown} ({reason})") from exc
+
+
+def _hide_password(url: str) -> str:
+    """Never echo a database password into a terminal or a log."""
+    import sqlalchemy
+
+    try:
+        return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not parseable as a database URL: show no credentials at all
+        return url.split("@")[-1]
 
 
 def _writable(folder: Path) -> bool:

@@ -39,8 +39,11 @@ def validate(path: Path) -> SweepConfig:
 
     config = load_sweep(path)
     check_against_block(config, drafter_block_size(config), str(path))
-    check_storage(config.storage)
-    check_tracking_uri(config.mlflow.tracking_uri)
+    try:
+        check_storage(config.storage)
+        check_tracking_uri(config.mlflow.tracking_uri)
+    except BadInputError as exc:
+        raise BadInputError(f"{path}: {exc}") from exc
     return config
 
 

@@ -52,13 +52,6 @@ ray: {address: null}                # null: start a local Ray; "auto" or an addr
 memory_trace: {interval_ms: 50}
 """
 
-# Known bug (see the report): validate() in orchestrator/sweep.py calls check_storage() and
-# check_tracking_uri() without the sweep file's path, so these messages name the field only.
-NO_FILE_IN_MESSAGE = (
-    "orchestrator/sweep.py validate(): storage / tracking-URI errors from check_storage() and "
-    "check_tracking_uri() are not prefixed with the sweep file's path (DESIGN.md: 'one clear message "
-    "naming the field and the file'); load_sweep and check_against_block errors do name it"
-)
 
 
 # -- helpers -------------------------------------------------------------------------------------------
@@ -223,11 +216,9 @@ class Case:
     id: str
     make: Callable[[Path, Path], Path]
     expect: tuple[str, ...]
-    known_bug: str | None = None  # set: the file-naming check is xfail (strict) for this case
 
-    def param(self, with_bug_mark: bool = True):
-        marks = [pytest.mark.xfail(strict=True, reason=self.known_bug)] if self.known_bug and with_bug_mark else []
-        return pytest.param(self, id=self.id, marks=marks)
+    def param(self):
+        return pytest.param(self, id=self.id)
 
 
 def edit(change: Callable[[dict, Path], None]) -> Callable[[Path, Path], Path]:
@@ -337,16 +328,16 @@ CASES = [
     Case("sweep-path-is-a-folder", directory_as_sweep, ("cannot read the sweep file", "Is a directory")),
     # stores: checked before anything is created
     Case("storage-unreachable", put("storage", value="postgresql://user:pw@127.0.0.1:1/db"),
-         ("storage: cannot connect", "127.0.0.1:1"), known_bug=NO_FILE_IN_MESSAGE),
+         ("storage: cannot connect", "127.0.0.1:1")),
     Case("storage-sqlite-parent-is-a-file", edit(_sqlite_under_a_file),
-         ("storage: cannot create the SQLite file",), known_bug=NO_FILE_IN_MESSAGE),
+         ("storage: cannot create the SQLite file",)),
     Case("tracking-http-closed-port", put("mlflow", "tracking_uri", value="http://127.0.0.1:1"),
-         ("mlflow.tracking_uri: cannot reach", "http://127.0.0.1:1"), known_bug=NO_FILE_IN_MESSAGE),
+         ("mlflow.tracking_uri: cannot reach", "http://127.0.0.1:1")),
     Case("tracking-file-uri", put("mlflow", "tracking_uri", value="file:///tmp/x"),
-         ("mlflow.tracking_uri:", "not supported", "file:///tmp/x"), known_bug=NO_FILE_IN_MESSAGE),
+         ("mlflow.tracking_uri:", "not supported", "file:///tmp/x")),
 ]
 BY_ID = {case.id: case for case in CASES}
-STORE_CASES = [case for case in CASES if case.known_bug]
+STORE_CASES = [BY_ID[i] for i in ("storage-unreachable", "storage-sqlite-parent-is-a-file", "tracking-http-closed-port", "tracking-file-uri")]
 
 
 def _check_message(message: str, case: Case) -> None:
@@ -374,9 +365,9 @@ def test_bad_sweep_gives_one_clear_error(case, tiny_dir, tmp_path, workdir, caps
     assert message.startswith(f"{path}: "), f"the sweep file is not named first in {message!r}"
 
 
-@pytest.mark.parametrize("case", [case.param(with_bug_mark=False) for case in STORE_CASES])
+@pytest.mark.parametrize("case", [case.param() for case in STORE_CASES])
 def test_bad_store_names_the_field_and_creates_nothing(case, tiny_dir, tmp_path, workdir):
-    """The part of the store cases that works today (the file-naming part is xfail above)."""
+    """Store problems are found before anything exists (no database file, no folder)."""
     path = case.make(tmp_path, tiny_dir)
     with pytest.raises(BadInputError) as caught:
         validate(path)
@@ -421,8 +412,7 @@ def test_cli_bad_sweep_exits_2_with_one_line(case_id, flag, tiny_dir, tmp_path):
     assert line.startswith("orchestrator.sweep: error: ")
     for fragment in case.expect:
         assert fragment in line
-    if not case.known_bug:
-        assert str(path) in line
+    assert str(path) in line
     assert_nothing_created(tmp_path, cwd)
 
 
@@ -554,15 +544,9 @@ def test_fingerprint_is_stable_across_loads(tiny_dir, tmp_path, workdir):
     assert len(first) == 16 and int(first, 16) >= 0
 
 
-# -- gaps found while writing these tests (xfail until fixed) ------------------------------------------
+# -- settings the engine would refuse at trial time are refused up front ------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="orchestrator/config.py _first_error(): discriminated-union locations carry the tag ('int' / "
-    "'categorical'), not 'IntParam' / 'CategoricalParam', so the filter never matches and the path reads "
-    "'search_space.tree_budget.int', a key that is not in the YAML",
-)
 def test_search_space_error_path_is_named_as_in_the_yaml(tiny_dir, tmp_path, workdir):
     path = put("search_space", "tree_budget", value={"type": INT, "low": 64, "high": 16})(tmp_path, tiny_dir)
     with pytest.raises(BadInputError) as caught:
@@ -570,12 +554,6 @@ def test_search_space_error_path_is_named_as_in_the_yaml(tiny_dir, tmp_path, wor
     assert str(caught.value) == f"{path}: search_space.tree_budget: low (64) is greater than high (16)"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="orchestrator/config.py IntParam._range accepts log=true with step > 1; Optuna 5 rejects that "
-    "in suggest_int ('only accept step is 1 when log is True') inside the running driver, after Ray, "
-    "the study and the MLflow parent run were created",
-)
 def test_log_with_step_is_refused(tiny_dir, tmp_path, workdir):
     path = put("search_space", "tree_budget", value={"type": INT, "low": 2, "high": 32, "log": True, "step": 2})(
         tmp_path, tiny_dir
@@ -592,12 +570,6 @@ BELOW_ONE = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="orchestrator/config.py: values below 1 for tree_budget / max_depth / branching / num_draft_tokens "
-    "pass validation (check_against_block's docstring says 1..block_size-1 but only the upper bound is "
-    "checked); workers/tree.py TreeParams and workers/dflash.py raise ValueError for them at trial time",
-)
 @pytest.mark.parametrize("make", BELOW_ONE.values(), ids=BELOW_ONE.keys())
 def test_method_params_below_one_are_refused(make, tiny_dir, tmp_path, workdir):
     with pytest.raises(BadInputError):
