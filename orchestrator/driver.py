@@ -11,6 +11,7 @@ redone); otherwise its child run is marked KILLED and the trial is failed and qu
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -56,7 +57,8 @@ class Driver:
     def _start_ray(self) -> None:
         ray_cfg = self.config.ray
         if ray_cfg.address is None:
-            ray.init(num_cpus=ray_cfg.num_cpus, num_gpus=ray_cfg.num_gpus, include_dashboard=False,
+            # address="local": never join a cluster some other `ray start` left on this machine.
+            ray.init(address="local", num_cpus=ray_cfg.num_cpus, num_gpus=ray_cfg.num_gpus, include_dashboard=False,
                      log_to_driver=False, configure_logging=False)
         else:
             ray.init(address=ray_cfg.address, log_to_driver=False, configure_logging=False)
@@ -100,10 +102,20 @@ class Driver:
                 self.progress.note(f"trial {trial.number}: interrupted earlier; queued to run again")
 
     # -- the loop ------------------------------------------------------------------------------------
+    def _request_stop(self, signum, frame) -> None:
+        """First Ctrl-C / SIGTERM: stop at the next safe point; a second one: stop now."""
+        if self.stop_requested:
+            raise KeyboardInterrupt
+        self.stop_requested = True
+        self.progress.note("stopping: in-flight trials will be marked KILLED and queued again (Ctrl-C again to force)")
+
     def _loop(self) -> int:
         wanted = studies.target_complete(self.config)
+        self.stop_requested = False
+        signal.signal(signal.SIGINT, self._request_stop)
+        signal.signal(signal.SIGTERM, self._request_stop)
         try:
-            while True:
+            while not self.stop_requested:
                 complete = studies.count_complete(self.study)
                 for slot in self.slots:
                     if slot.state == "idle" and complete + len(self.inflight) < wanted and self._has_work():
@@ -113,7 +125,11 @@ class Driver:
                     break
                 ready, _ = ray.wait(list(self.inflight), num_returns=1, timeout=0.5)
                 for ref in ready:
-                    self._collect(ref)
+                    if not self.stop_requested:
+                        self._collect(ref)
+            if self.stop_requested:
+                self._interrupt()
+                return EXIT_INTERRUPTED
             self.tracker.finish_parent(self.parent_id, "FINISHED", self._summary())
             self.progress.note(f"done: {studies.count_complete(self.study)} complete trials in '{self.study_name}'")
             return EXIT_OK

@@ -16,6 +16,7 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from orchestrator.config import SweepConfig
+from workers.errors import BadInputError
 from workers.worker import TrialSpec, Worker, WorkerConfig
 
 ACTOR_DEATH = (ActorDiedError, ActorUnavailableError, RayActorError)
@@ -25,7 +26,11 @@ class GenerationActor:
     """Runs inside Ray. Never touches Optuna or MLflow."""
 
     def __init__(self, worker_config: dict[str, Any]) -> None:
-        self.worker = Worker(WorkerConfig(**worker_config)).load()
+        self.worker, self.load_error = None, None
+        try:
+            self.worker = Worker(WorkerConfig(**worker_config)).load()
+        except BadInputError as exc:  # reported through info(), so the driver can exit 2 with the message
+            self.load_error = str(exc)
 
     def info(self) -> dict[str, Any]:
         context = ray.get_runtime_context()
@@ -34,7 +39,8 @@ class GenerationActor:
             "pid": os.getpid(),
             "gpu_ids": [str(g) for g in context.get_accelerator_ids().get("GPU", [])],
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "block_size": self.worker.block_size,
+            "block_size": self.worker.block_size if self.worker else None,
+            "load_error": self.load_error,
         }
 
     def run_trial(self, spec: TrialSpec) -> dict[str, Any]:
@@ -91,18 +97,30 @@ def start_actor(config: SweepConfig):
 def start_pool(config: SweepConfig) -> list[Slot]:
     """Start every actor, wait until all have loaded their models, and read where they landed."""
     slots = [Slot(index, start_actor(config)) for index in range(config.workers.count)]
-    infos = ray.get([slot.handle.info.remote() for slot in slots])
+    try:
+        infos = ray.get([slot.handle.info.remote() for slot in slots])
+    except Exception:
+        _kill_all(slots)
+        raise
     for slot, info in zip(slots, infos, strict=True):
         slot.info, slot.state = info, "idle"
+    errors = {info["load_error"] for info in infos if info["load_error"]}
+    if errors:
+        _kill_all(slots)
+        raise BadInputError("; ".join(sorted(errors)))
     return slots
+
+
+def _kill_all(slots: list[Slot]) -> None:
+    for slot in slots:
+        ray.kill(slot.handle, no_restart=True)
 
 
 def replace_actor(config: SweepConfig, slot: Slot) -> None:
     """A dead actor whose restarts are spent: a fresh one in its slot (models loaded again)."""
-    try:
-        ray.kill(slot.handle, no_restart=True)
-    except Exception:  # already gone
-        pass
+    ray.kill(slot.handle, no_restart=True)  # a no-op for an actor that is already dead
     slot.handle = start_actor(config)
     slot.info = ray.get(slot.handle.info.remote())
+    if slot.info["load_error"]:
+        raise BadInputError(slot.info["load_error"])
     slot.state = "idle"

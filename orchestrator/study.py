@@ -88,23 +88,21 @@ class StudyHandle:
 
 
 def find_study_name(config: SweepConfig, storage, new_study: bool) -> tuple[str, bool]:
-    """The study this file resumes (matching fingerprint), or the name a new one should take."""
+    """(name, create): the study this file resumes (same fingerprint), or the name a new one takes."""
     existing = {s.study_name: s for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
-    candidates = [config.name] + [f"{config.name}@{k}" for k in range(2, 1000)]
-    for name in candidates:
+    family = [config.name] + [f"{config.name}@{k}" for k in range(2, 1000)]
+    for name in family:
         summary = existing.get(name)
-        if summary is None:
-            return name, True
-        if summary.user_attrs.get(FINGERPRINT_ATTR) == config.fingerprint():
+        if summary is not None and summary.user_attrs.get(FINGERPRINT_ATTR) == config.fingerprint():
             return name, False
-        if not new_study and name == config.name:
-            stored = summary.user_attrs.get("sweep_definition", {})
-            raise BadInputError(
-                f"study '{name}' in {config.storage} was made by a sweep with a different definition "
-                f"(method, models, search space or objectives changed; stored: {stored}). "
-                "Rename the sweep, or pass --new-study to start a new study beside it"
-            )
-    raise BadInputError(f"too many studies named {config.name}@k")
+    if config.name in existing and not new_study:
+        stored = existing[config.name].user_attrs.get("sweep_definition", {})
+        raise BadInputError(
+            f"study '{config.name}' in {config.storage} was made by a sweep with a different definition "
+            f"(method, models, search space or objectives changed; stored: {stored}). "
+            "Rename the sweep, or pass --new-study to start a new study beside it"
+        )
+    return next(name for name in family if name not in existing), True
 
 
 def open_study(config: SweepConfig, storage, new_study: bool = False) -> StudyHandle:

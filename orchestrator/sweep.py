@@ -90,13 +90,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
     from orchestrator.driver import Driver
 
-    # SIGTERM stops as cleanly as Ctrl-C does.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # Until the driver loop installs its own handler (stop at a safe point), SIGTERM acts as Ctrl-C.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return Driver(config, args.sweep, new_study=args.new_study).run()
     except BadInputError as exc:
         print(f"orchestrator.sweep: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:  # during start-up: nothing was created yet, or resume cleans it up
+        print("orchestrator.sweep: interrupted during start-up", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -91,8 +91,8 @@ class Tracker:
         return run_id
 
     def finish_parent(self, run_id: str, status: str, summary: dict[str, Any]) -> None:
-        params = summary.get("best_params") or {}
-        self.client.log_batch(run_id, params=[Param(f"best.{k}", str(v)) for k, v in params.items()])
+        best = summary.get("best_params") or {}  # tags, not params: a resumed sweep may find a better one
+        self.client.log_batch(run_id, tags=[RunTag(f"best.{k}", str(v)) for k, v in best.items()])
         self.client.log_dict(run_id, summary, "summary.json")
         self.client.set_terminated(run_id, status)
 

@@ -73,4 +73,5 @@ def start_sweep(sweep: Path, *args: str, cwd: Path | None = None) -> subprocess.
     return subprocess.Popen(
         [sys.executable, "-m", "orchestrator.sweep", str(sweep), *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=sweep_env(), cwd=cwd or ROOT,
+        start_new_session=True,  # its own process group, as in a terminal: Ctrl-C reaches Ray's processes too
     )

@@ -2,8 +2,9 @@
 
 Everything here is real: Ray with logical GPUs (``ray.init(num_gpus=2)`` works without GPUs),
 actors that load the tiny target + drafter through ``workers.worker.Worker``, and a two-node
-``ray.util.cluster_utils.Cluster`` for the pinning tests. ``workers.device: cpu`` makes an actor run
-its models on the CPU even when Ray hands it logical GPUs, so the GPU bookkeeping is still Ray's own.
+``ray.cluster_utils.Cluster`` (Ray 2.60 has no ``ray.util.cluster_utils``) for the pinning tests.
+``workers.device: cpu`` makes an actor run its models on the CPU even when Ray hands it logical
+GPUs, so the GPU bookkeeping is still Ray's own.
 
 Two sections, each with its own Ray: a local Ray with 2 logical GPUs (module-scoped fixture,
 shut down at the end of the module or when the cluster section takes over), then a two-node
@@ -35,6 +36,7 @@ from orchestrator.pool import (
     worker_config,
 )
 from tests.orchestrator.conftest import sweep_dict
+from workers.errors import BadInputError
 from workers.prompts import load_prompts
 from workers.worker import Method, TrialSpec
 
@@ -206,6 +208,7 @@ def test_two_one_gpu_actors_get_disjoint_gpus(tiny_dir, runs_dir, slots):
     for slot in slots:
         assert slot.info["gpu_ids"] == [slot.info["cuda_visible_devices"]]
         assert slot.info["block_size"] == BLOCK_SIZE
+        assert slot.info["load_error"] is None
     assert slots[0].info["pid"] != slots[1].info["pid"]
     assert ray.available_resources().get("GPU", 0.0) == 0.0  # both GPUs are held
 
@@ -282,6 +285,20 @@ def test_killed_actor_restarts_then_is_replaced(tiny_dir, runs_dir, slots):
     with pytest.raises(ActorDiedError):
         get(old_handle.info.remote())
     assert sorted(s.info["cuda_visible_devices"] for s in slots) == ["0", "1"]
+
+
+def test_a_model_that_cannot_load_is_one_clear_error(tiny_dir, runs_dir, slots, tmp_path):
+    empty = tmp_path / "no_model_here"
+    empty.mkdir()
+    data = sweep_dict(tiny_dir, runs_dir, workers={"count": 2, "gpus_per_worker": 1, "device": "cpu"})
+    data["target"] = {"model": str(empty), "dtype": "float32"}
+    with pytest.raises(BadInputError) as caught:
+        start_pool(SweepConfig.model_validate(data))
+    message = str(caught.value)
+    assert message.startswith(f"{empty}: cannot load the target config from this folder")
+    assert message.count("cannot load the target config") == 1  # both failed alike: one message
+    # both actors were killed, so their GPUs come back (the ``slots`` teardown waits for that too)
+    wait_for_resources(LOCAL_RESOURCES)
 
 
 # -- section 2: a two-node cluster, host pinning by custom resource ----------------------------------
