@@ -229,3 +229,23 @@ def test_target_the_engine_refuses_exits_2_and_creates_nothing(tiny_dir, tmp_pat
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "qwen3_next" in proc.stderr and "Traceback" not in proc.stderr
     assert not runs.exists()
+
+
+def test_two_objectives_nsga2_with_a_memory_constraint(tiny_dir, tmp_path):
+    runs = tmp_path / "runs"
+    config = sweep_dict(tiny_dir, runs, n_trials=3, sampler={"type": "nsga2", "seed": 1},
+                        objectives=[{"metric": "tokens_per_s", "direction": "maximize"},
+                                    {"metric": "tau", "direction": "maximize"}],
+                        constraints={"peak_memory_gib": {"max": 40}})
+    proc = run_sweep(write_sweep(tmp_path / "sweep.yaml", config))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    study = assert_consistent(runs, 3)
+    assert all(len(t.values) == 2 and t.user_attrs["feasible"] for t in study.trials)
+    assert all(t.system_attrs["constraints:peak_memory_gib"] <= 0 for t in study.trials)  # CPU: peak 0 GiB
+    _, client = _stores(runs)
+    parent = _parents(client)[0]
+    summary = client.download_artifacts(parent.info.run_id, "summary.json", str(tmp_path))
+    import json
+
+    front = json.loads(Path(summary).read_text())["pareto_front"]
+    assert front and all({"trial", "params", "values"} <= set(point) for point in front)
