@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from workers.generation import NULL_TIMER, Clock, GenerationConfig, GenerationOutput, OutputBuffer
-from workers.sampling import make_generator, sample_tokens
+from workers.generation import NULL_TIMER, GenerationConfig, GenerationOutput, open_generation
+from workers.sampling import sample_tokens
 from workers.target import AttentionTarget
 
 
@@ -21,14 +21,8 @@ def generate(
     params: None = None,
     timer=NULL_TIMER,
 ) -> GenerationOutput:
-    clock = Clock(target.device)
-    target.start(capacity=prompt_ids.shape[1] + config.max_new_tokens + 1, max_verify=1)
-    prefill = target.prefill(prompt_ids)
-    generator = make_generator(config.seed, prefill.logits.device)
-    bonus = sample_tokens(prefill.logits[-1:], config.temperature, generator)  # [1]
-    out = OutputBuffer(config)
-    out.extend([int(bonus.item())])  # sync: the token must reach the host to check stop tokens
-    clock.first_token()
+    start = open_generation(target, prompt_ids, config, max_verify=1)
+    out, generator, bonus = start.out, start.generator, start.bonus
 
     rounds: list[int] = []
     while not out.done:
@@ -40,5 +34,5 @@ def generate(
             out.extend([int(bonus.item())])  # sync: one token per round reaches the host
         rounds.append(1)
 
-    ttft, decode = clock.finish()
+    ttft, decode = start.clock.finish()
     return GenerationOutput(out.tokens, rounds, dict(timer.totals), ttft, decode)

@@ -12,8 +12,8 @@ import torch
 
 from workers.dflash import draft_block
 from workers.drafter import DFlashDrafter
-from workers.generation import NULL_TIMER, Clock, GenerationConfig, GenerationOutput, OutputBuffer
-from workers.sampling import make_generator, sample_tokens
+from workers.generation import NULL_TIMER, GenerationConfig, GenerationOutput, open_generation
+from workers.sampling import sample_tokens
 from workers.target import AttentionTarget
 from workers.tree import TreeParams, build_tree, follow_tree
 
@@ -36,17 +36,10 @@ def generate(
     timer=NULL_TIMER,
 ) -> GenerationOutput:
     params = resolve_tree_params(params, drafter.block_size)
-    clock = Clock(target.device)
-    capacity = prompt_ids.shape[1] + config.max_new_tokens + params.budget + 1
-    target.start(capacity=capacity, max_verify=params.budget + 1)
-    draft_cache = drafter.new_cache(capacity)
-    prefill = target.prefill(prompt_ids)
-    generator = make_generator(config.seed, prefill.logits.device)
-    bonus = sample_tokens(prefill.logits[-1:], config.temperature, generator)  # [1]
-    new_context = prefill.taps
-    out = OutputBuffer(config)
-    out.extend([int(bonus.item())])  # sync: the first token must reach the host for stop checks
-    clock.first_token()
+    start = open_generation(target, prompt_ids, config, max_verify=params.budget + 1)
+    out, generator, bonus = start.out, start.generator, start.bonus
+    new_context = start.context  # [1, T, k*H]: features of committed tokens the drafter has not seen
+    draft_cache = drafter.new_cache(start.capacity)
 
     rounds: list[int] = []
     while not out.done:
@@ -69,5 +62,5 @@ def generate(
             out.extend(tree.tokens[path[1:] - 1].tolist() + [int(next_token.item())])
         rounds.append(int(path.shape[0]))
 
-    ttft, decode = clock.finish()
+    ttft, decode = start.clock.finish()
     return GenerationOutput(out.tokens, rounds, dict(timer.totals), ttft, decode)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from workers.drafter import DFlashDrafter
-from workers.generation import NULL_TIMER, Clock, GenerationConfig, GenerationOutput, OutputBuffer
-from workers.sampling import make_generator, sample_tokens
+from workers.generation import NULL_TIMER, GenerationConfig, GenerationOutput, open_generation
+from workers.sampling import sample_tokens
 from workers.target import AttentionTarget
 
 
@@ -56,17 +56,10 @@ def generate(
     timer=NULL_TIMER,
 ) -> GenerationOutput:
     num_draft = params.resolve(drafter.block_size)
-    clock = Clock(target.device)
-    capacity = prompt_ids.shape[1] + config.max_new_tokens + num_draft + 1
-    target.start(capacity=capacity, max_verify=num_draft + 1)
-    draft_cache = drafter.new_cache(capacity)
-    prefill = target.prefill(prompt_ids)
-    generator = make_generator(config.seed, prefill.logits.device)
-    bonus = sample_tokens(prefill.logits[-1:], config.temperature, generator)  # [1]
-    new_context = prefill.taps  # [1, T, k*H]: features of every committed token not yet drafted on
-    out = OutputBuffer(config)
-    out.extend([int(bonus.item())])  # sync: the first token must reach the host for stop checks
-    clock.first_token()
+    start = open_generation(target, prompt_ids, config, max_verify=num_draft + 1)
+    out, generator, bonus = start.out, start.generator, start.bonus
+    new_context = start.context  # [1, T, k*H]: features of committed tokens the drafter has not seen
+    draft_cache = drafter.new_cache(start.capacity)
 
     rounds: list[int] = []
     while not out.done:
@@ -86,5 +79,5 @@ def generate(
             out.extend(chain[1 : accepted + 1].tolist() + [int(bonus.item())])
         rounds.append(accepted + 1)
 
-    ttft, decode = clock.finish()
+    ttft, decode = start.clock.finish()
     return GenerationOutput(out.tokens, rounds, dict(timer.totals), ttft, decode)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.sampling import make_generator, sample_tokens
+
 STAGES = ("draft", "tree", "verify", "commit")
 
 
@@ -122,3 +124,32 @@ class Clock:
         self._sync()
         end = time.perf_counter()
         return self._first - self._begin, end - self._first
+
+
+@dataclass
+class Opening:
+    """Where every engine stands after the prompt: the first token is out, the round loop starts."""
+
+    clock: Clock
+    out: OutputBuffer
+    generator: torch.Generator
+    bonus: torch.Tensor  # [1] the target's token after the committed text, not yet in its cache
+    context: torch.Tensor  # [1, T, k*H] taps of the prompt (empty without taps)
+    capacity: int  # token slots the caches were sized for
+
+
+def open_generation(target, prompt_ids: torch.Tensor, config: GenerationConfig, max_verify: int) -> Opening:
+    """Fresh target cache sized for the run, prompt prefill, and the first generated token.
+
+    ``max_verify`` is the most tokens one round sends to the target (root included).
+    """
+    clock = Clock(target.device)
+    capacity = prompt_ids.shape[1] + config.max_new_tokens + max_verify
+    target.start(capacity=capacity, max_verify=max_verify)
+    prefill = target.prefill(prompt_ids)
+    generator = make_generator(config.seed, prefill.logits.device)
+    bonus = sample_tokens(prefill.logits[-1:], config.temperature, generator)  # [1]
+    out = OutputBuffer(config)
+    out.extend([int(bonus.item())])  # sync: the first token must reach the host for stop checks
+    clock.first_token()
+    return Opening(clock, out, generator, bonus, prefill.taps, capacity)
