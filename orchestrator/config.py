@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from workers.errors import BadInputError
+from workers.prompts import BENCHMARKS, PromptSource
 
 # Metrics a sweep can optimise or constrain (names as in DESIGN.md and the worker's results).
 METRICS = ("tokens_per_s", "tau", "speedup", "ttft_s", "tpot_s", "peak_memory_gib", "lossless_match")
@@ -62,9 +63,25 @@ class WorkersSection(_Strict):
 
 
 class PromptsSection(_Strict):
-    path: Path
+    path: Path | None = Field(None, description="our JSONL prompt file, or a local copy of a named dataset")
+    dataset: Literal[tuple(BENCHMARKS)] | None = Field(  # type: ignore[valid-type]
+        None, description="a named benchmark loaded with `datasets` (or from `path` offline)"
+    )
+    split: str | None = None
     limit: int | None = Field(None, ge=1)
+    seed: int | None = Field(None, description="sample `limit` prompts with this seed (default: the first ones)")
     max_new_tokens: int = Field(256, ge=1)
+    chat_template: bool = Field(True, description="format text prompts with the target's chat template")
+    enable_thinking: bool = Field(False, description="thinking mode of templates that have it (off: DFlash drafters)")
+
+    @model_validator(mode="after")
+    def _source(self) -> PromptsSection:
+        if self.path is None and self.dataset is None:
+            raise ValueError("give a path, a dataset name, or both")
+        return self
+
+    def source(self) -> PromptSource:
+        return PromptSource(str(self.path) if self.path else None, self.dataset, self.split, self.limit, self.seed)
 
 
 class GenerationSection(_Strict):
@@ -254,7 +271,9 @@ def load_sweep(path: str | Path, base: Path | None = None) -> SweepConfig:
     except ValidationError as exc:
         raise BadInputError(f"{path}: {_first_error(exc)}") from exc
     updates: dict[str, Any] = {
-        "prompts": config.prompts.model_copy(update={"path": (base / config.prompts.path).resolve()}),
+        "prompts": config.prompts.model_copy(
+            update={"path": (base / config.prompts.path).resolve() if config.prompts.path else None}
+        ),
         "target": config.target.model_copy(update={"model": _absolute_model(config.target.model, base)}),
         "storage": _absolute_sqlite(config.storage, base),
         "mlflow": config.mlflow.model_copy(update={"tracking_uri": _absolute_sqlite(config.mlflow.tracking_uri, base)}),
@@ -262,7 +281,7 @@ def load_sweep(path: str | Path, base: Path | None = None) -> SweepConfig:
     if config.drafter is not None:
         updates["drafter"] = config.drafter.model_copy(update={"model": _absolute_model(config.drafter.model, base)})
     config = config.model_copy(update=updates)
-    if not config.prompts.path.is_file():
+    if config.prompts.path is not None and not config.prompts.path.is_file():
         raise BadInputError(f"{path}: prompts.path: no such file {config.prompts.path}")
     return config
 
@@ -317,3 +336,22 @@ def check_against_block(config: SweepConfig, block_size: int | None, source: str
             raise BadInputError(
                 f"{source}: {where}.{name}: {max(too_big)} exceeds the drafter's block_size-1 = {limit}"
             )
+
+
+def thinking_warning(config: SweepConfig) -> str | None:
+    """A warning when thinking is on and the drafter does not say it was trained with thinking."""
+    if not config.prompts.enable_thinking or config.drafter is None:
+        return None
+    path = Path(config.drafter.model) / "config.json"
+    declared = False
+    if path.is_file():
+        raw = json.loads(path.read_text())
+        flags = [raw.get("thinking"), raw.get("supports_thinking"), (raw.get("dflash_config") or {}).get("thinking")]
+        declared = any(bool(flag) for flag in flags)
+    if declared:
+        return None
+    return (
+        f"warning: prompts.enable_thinking is on, but drafter {config.drafter.model} does not declare thinking "
+        "support; published DFlash drafters were trained without thinking traces and their acceptance collapses "
+        "(tau near 2) on thinking output"
+    )

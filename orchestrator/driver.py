@@ -27,7 +27,7 @@ from orchestrator.config import SweepConfig, check_against_block
 from orchestrator.pool import ACTOR_DEATH, Slot, replace_actor, start_pool
 from orchestrator.progress import Progress
 from orchestrator.tracking import STATUS_TAG, TRIAL_TAG, Tracker
-from workers.prompts import load_prompts
+from workers.prompts import load_source
 from workers.worker import Method, TrialSpec
 
 EXIT_OK, EXIT_INTERRUPTED = 0, 130
@@ -49,7 +49,7 @@ class Driver:
         self.config = config
         self.config_path = config_path
         self.new_study = new_study
-        self.prompts = tuple(load_prompts(config.prompts.path, config.prompts.limit))
+        self.prompts = tuple(load_source(config.prompts.source()))  # before Ray: a bad source creates nothing
         self.inflight: dict[Any, InFlight] = {}
         self.progress = Progress(config)
 

@@ -59,6 +59,8 @@ def worker_config(config: SweepConfig) -> dict[str, Any]:
             max_memory_per_gpu=config.workers.max_memory_per_gpu,
             attn_implementation=config.target.attn_implementation,
             memory_interval_ms=config.memory_trace.interval_ms,
+            chat_template=config.prompts.chat_template,
+            enable_thinking=config.prompts.enable_thinking,
         )
     )
 

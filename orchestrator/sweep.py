@@ -14,7 +14,7 @@ import signal
 import sys
 from pathlib import Path
 
-from orchestrator.config import SweepConfig, check_against_block, drafter_block_size, load_sweep
+from orchestrator.config import SweepConfig, check_against_block, drafter_block_size, load_sweep, thinking_warning
 from workers.errors import BadInputError
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 2, 130
@@ -44,6 +44,9 @@ def validate(path: Path) -> SweepConfig:
         check_tracking_uri(config.mlflow.tracking_uri)
     except BadInputError as exc:
         raise BadInputError(f"{path}: {exc}") from exc
+    warning = thinking_warning(config)
+    if warning:
+        print(warning, file=sys.stderr)
     return config
 
 
@@ -59,7 +62,10 @@ def plan_text(config: SweepConfig, path: Path) -> str:
         f"actors     {w.count} x {w.gpus_per_worker} GPU(s)"
         + (f", max {w.max_memory_per_gpu} per GPU" if w.max_memory_per_gpu else "")
         + (f", resources {w.resources}" if w.resources else ""),
-        f"prompts    {config.prompts.path} (limit {config.prompts.limit}, {config.prompts.max_new_tokens} new tokens)",
+        "prompts    " + " ".join(str(part) for part in (config.prompts.dataset, config.prompts.path) if part)
+        + f" (limit {config.prompts.limit}, seed {config.prompts.seed}, {config.prompts.max_new_tokens} new tokens, "
+        + ("chat template" if config.prompts.chat_template else "raw text")
+        + (", thinking on)" if config.prompts.enable_thinking else ")"),
         f"sampler    {config.sampler.type} (seed {config.sampler.seed}); {target_complete(config)} complete trials wanted",
     ]
     for name, space in config.search_space.items():

@@ -22,6 +22,7 @@ from typing import NoReturn
 
 from workers.errors import BadInputError
 from workers.loading import DTYPES
+from workers.prompts import BENCHMARKS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,6 +53,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _id_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--stop-token-ids must be comma-separated integers, got '{text}'") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m workers.bench", description="Time AR, DFlash or DDTree decoding on a prompt file.")
     p.add_argument("--target", required=True, help="target model: hub id or local folder")
@@ -61,8 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-depth", type=_positive("--max-depth"), help="DDTree depth cap (default block_size-1)")
     p.add_argument("--branching", type=_positive("--branching"), help="DDTree children per node (default unlimited)")
     p.add_argument("--num-draft-tokens", type=_positive("--num-draft-tokens"), help="DFlash chain length")
-    p.add_argument("--prompts", required=True, help='JSONL: {"prompt": "..."} or {"input_ids": [...]} per line')
-    p.add_argument("--limit", type=_positive("--limit"), help="use the first N prompts")
+    p.add_argument("--prompts", help='JSONL: {"prompt": "..."} or {"input_ids": [...]} per line; with --dataset, '
+                   "a local copy of that dataset (.jsonl/.json/.parquet)")
+    p.add_argument("--dataset", choices=sorted(BENCHMARKS), help="a named benchmark (hub, or --prompts offline)")
+    p.add_argument("--split", help="dataset split (default: the benchmark's evaluation split)")
+    p.add_argument("--limit", type=_positive("--limit"), help="use N prompts")
+    p.add_argument("--sample-seed", type=int, help="sample the N prompts at random with this seed (default: first N)")
+    p.add_argument("--no-chat-template", action="store_true", help="raw prompt text, no chat template")
+    p.add_argument("--enable-thinking", action="store_true", help="thinking mode, for templates that have it")
+    p.add_argument("--stop-token-ids", type=_id_list, help="comma-separated stop ids (default: eos + end-of-turn)")
     p.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=256)
     p.add_argument("--temperature", type=_non_negative_float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
@@ -74,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.prompts is None and args.dataset is None:
+        parser.error("give --prompts FILE, --dataset NAME, or both")
     if args.method in ("dflash", "ddtree") and not args.drafter:
         parser.error(f"--method {args.method} needs --drafter")
     if args.method == "ddtree" and args.tree_budget is None:
@@ -91,12 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
-    from workers.prompts import load_prompts
+    from workers.prompts import PromptSource, load_source
     from workers.worker import Method, TrialSpec, Worker, WorkerConfig
 
     try:
-        prompts = load_prompts(args.prompts, args.limit)
-        worker = Worker(WorkerConfig(target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device))
+        prompts = load_source(PromptSource(args.prompts, args.dataset, args.split, args.limit, args.sample_seed))
+        config = WorkerConfig(target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device,
+                              chat_template=not args.no_chat_template, enable_thinking=args.enable_thinking)
+        worker = Worker(config)
         worker.load()
         block = worker.block_size
         for flag, value in (("--max-depth", args.max_depth), ("--num-draft-tokens", args.num_draft_tokens)):
@@ -116,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         max_depth=args.max_depth,
         branching=args.branching,
         num_draft_tokens=args.num_draft_tokens,
+        stop_token_ids=args.stop_token_ids,
         baseline=not args.no_baseline,
     )
     result = worker.run_trial(spec)

@@ -55,3 +55,21 @@ def acceptance_histogram(outputs: Sequence[GenerationOutput]) -> dict[int, int]:
     """Rounds per committed length (1 = only the bonus)."""
     counts = Counter(length for o in outputs for length in o.acceptance_lengths)
     return dict(sorted(counts.items()))
+
+
+CATEGORY_METRICS = ("tokens_per_s", "tau", "speedup")
+
+
+def per_category(
+    prompts: Sequence, outputs: Sequence[GenerationOutput], baseline: Sequence[GenerationOutput] | None
+) -> dict[str, float | None]:
+    """``tau.<category>``, ``tokens_per_s.<category>``, ``speedup.<category>`` when prompts carry categories."""
+    categories = sorted({p.category for p in prompts if p.category})
+    metrics: dict[str, float | None] = {}
+    for category in categories:
+        chosen = [i for i, p in enumerate(prompts) if p.category == category]
+        subset_base = [baseline[i] for i in chosen] if baseline is not None else None
+        subset = summarize([outputs[i] for i in chosen], subset_base)
+        for name in CATEGORY_METRICS:
+            metrics[f"{name}.{category}"] = subset[name]
+    return metrics

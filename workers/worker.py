@@ -27,8 +27,8 @@ from workers.errors import BadInputError
 from workers.generation import GenerationConfig, GenerationOutput, StageTimer, device_sync
 from workers.loading import Placement, load_target, load_tokenizer
 from workers.memory import MemoryTrace, MemoryTracer, reset_and_empty_cache
-from workers.metrics import acceptance_histogram, summarize
-from workers.prompts import Prompt, encode, stop_token_ids
+from workers.metrics import acceptance_histogram, per_category, summarize
+from workers.prompts import ChatFormat, Prompt, encode, stop_token_ids
 from workers.target import AttentionTarget
 from workers.tree import TreeParams
 
@@ -52,7 +52,8 @@ class WorkerConfig:
     attn_implementation: str = "sdpa"
     local_files_only: bool = False
     memory_interval_ms: float = 50.0
-    enable_thinking: bool = False
+    chat_template: bool = True  # False: raw prompt text (no chat template)
+    enable_thinking: bool = False  # only for targets whose template has the switch
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,7 @@ class Worker:
                 baseline = self._baseline(spec, prompts, gen) if spec.baseline else None
                 outputs = self._generate_all(spec, prompts, gen)
             metrics = summarize(outputs, baseline, greedy=gen.temperature < 1e-5)
+            metrics |= per_category(spec.prompts, outputs, baseline)
         except torch.cuda.OutOfMemoryError as exc:
             status, error = "oom", f"{type(exc).__name__}: {exc}"
         except (BadInputError, ValueError) as exc:
@@ -179,10 +181,8 @@ class Worker:
         if spec.method is not Method.AR and self.drafter is None:
             raise BadInputError(f"method '{spec.method.value}' needs a drafter, and this worker has none")
         rows = self.model.get_input_embeddings().weight.shape[0]
-        prompts = [
-            torch.tensor([encode(p, self.tokenizer, rows, self.config.enable_thinking)], dtype=torch.long)
-            for p in spec.prompts
-        ]
+        chat = ChatFormat(self.config.chat_template, self.config.enable_thinking)
+        prompts = [torch.tensor([encode(p, self.tokenizer, rows, chat)], dtype=torch.long) for p in spec.prompts]
         stops = spec.stop_token_ids
         if stops is None:
             stops = stop_token_ids(self.tokenizer, self.model.generation_config or self.model.config)
