@@ -339,19 +339,7 @@ def check_against_block(config: SweepConfig, block_size: int | None, source: str
 
 
 def thinking_warning(config: SweepConfig) -> str | None:
-    """A warning when thinking is on and the drafter does not say it was trained with thinking."""
-    if not config.prompts.enable_thinking or config.drafter is None:
-        return None
-    path = Path(config.drafter.model) / "config.json"
-    declared = False
-    if path.is_file():
-        raw = json.loads(path.read_text())
-        flags = [raw.get("thinking"), raw.get("supports_thinking"), (raw.get("dflash_config") or {}).get("thinking")]
-        declared = any(bool(flag) for flag in flags)
-    if declared:
-        return None
-    return (
-        f"warning: prompts.enable_thinking is on, but drafter {config.drafter.model} does not declare thinking "
-        "support; published DFlash drafters were trained without thinking traces and their acceptance collapses "
-        "(tau near 2) on thinking output"
-    )
+    """A warning when the sweep turns thinking on with a drafter that does not declare it."""
+    from workers.drafter import thinking_warning as warning_for
+
+    return warning_for(config.drafter.model if config.drafter else None, config.prompts.enable_thinking)

@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
+    from workers.drafter import thinking_warning
     from workers.prompts import PromptSource, load_source
     from workers.worker import Method, TrialSpec, Worker, WorkerConfig
 
@@ -115,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         prompts = load_source(PromptSource(args.prompts, args.dataset, args.split, args.limit, args.sample_seed))
         config = WorkerConfig(target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device,
                               chat_template=not args.no_chat_template, enable_thinking=args.enable_thinking)
+        warning = thinking_warning(args.drafter, args.enable_thinking)
+        if warning:
+            print(warning, file=sys.stderr)
         worker = Worker(config)
         worker.load()
         block = worker.block_size

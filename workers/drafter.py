@@ -306,6 +306,29 @@ def resolve_checkpoint_dir(name_or_path: str, local_files_only: bool = False) ->
     return Path(folder)
 
 
+def declares_thinking(folder: str | Path) -> bool:
+    """Whether a local drafter's config.json says it was trained on thinking-mode output."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return False
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    flags = (raw.get("thinking"), raw.get("supports_thinking"), (raw.get("dflash_config") or {}).get("thinking"))
+    return any(bool(flag) for flag in flags)
+
+
+def thinking_warning(drafter: str | None, enable_thinking: bool) -> str | None:
+    """The warning to print when thinking is on and the drafter does not declare thinking support."""
+    if not enable_thinking or drafter is None or declares_thinking(drafter):
+        return None
+    return (
+        f"warning: thinking mode is on, but drafter {drafter} does not declare thinking support; published "
+        "DFlash drafters were trained without thinking traces and their acceptance collapses (tau near 2)"
+    )
+
+
 def load_drafter(
     name_or_path: str,
     target: nn.Module,

@@ -45,6 +45,20 @@ def test_thinking_on_warns_when_the_drafter_does_not_declare_it(tiny_dir, tmp_pa
     path = write_sweep(tmp_path / "sweep.yaml", config)
     assert main([str(path), "--dry-run"]) == 0
     err = capsys.readouterr().err
-    assert "enable_thinking is on" in err and "does not declare thinking" in err
+    assert "thinking mode is on" in err and "does not declare thinking" in err
     config["prompts"]["enable_thinking"] = False
     assert thinking_warning(validate(write_sweep(tmp_path / "quiet.yaml", config))) is None
+
+
+def test_a_drafter_that_declares_thinking_gets_no_warning(tiny_dir, tmp_path):
+    import json
+    import shutil
+
+    drafter = tmp_path / "drafter"
+    shutil.copytree(tiny_dir / "drafter", drafter)
+    raw = json.loads((drafter / "config.json").read_text())
+    raw["dflash_config"]["thinking"] = True
+    (drafter / "config.json").write_text(json.dumps(raw))
+    config = sweep_dict(tiny_dir, tmp_path / "runs", drafter={"model": str(drafter)})
+    config["prompts"]["enable_thinking"] = True
+    assert thinking_warning(validate(write_sweep(tmp_path / "sweep.yaml", config))) is None
