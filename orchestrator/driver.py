@@ -142,7 +142,7 @@ class Driver:
             return True
         return bool(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
 
-    def _spec(self, params: dict[str, Any]) -> TrialSpec:
+    def _spec(self, params: dict[str, Any], fault: str | None) -> TrialSpec:
         gen = self.config.generation
         return TrialSpec(
             method=Method(self.config.method),
@@ -151,7 +151,7 @@ class Driver:
             temperature=gen.temperature,
             seed=gen.seed,
             stop_token_ids=tuple(gen.stop_token_ids) if gen.stop_token_ids is not None else None,
-            fault=params.pop("_fault", None),
+            fault=fault,
             **params,
         )
 
@@ -163,8 +163,7 @@ class Driver:
 
     def _submit(self, slot: Slot, number: int, params: dict[str, Any], attempt: int, fault: str | None = None) -> None:
         run_id = self.tracker.start_child(self.parent_id, self.study_name, number, params, attempt)
-        spec_params = dict(params) | ({"_fault": fault} if fault else {})
-        ref = slot.handle.run_trial.remote(self._spec(spec_params))
+        ref = slot.handle.run_trial.remote(self._spec(params, fault))
         self.inflight[ref] = InFlight(slot, number, params, run_id, attempt, int(time.time() * 1000))
         slot.state, slot.trial_number = "running", number
 
