@@ -48,3 +48,12 @@ def tiny(tmp_path_factory) -> TinyModels:
 def tiny_small_vocab(tmp_path_factory) -> TinyModels:
     """Same, with a 6-token vocabulary and block 6, so random drafts are often accepted."""
     return _load(TINY_SMALL_VOCAB, tmp_path_factory.mktemp("tiny_small_vocab"))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny matrices gain nothing from intra-op threads; one thread is as fast and leaves a core free."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -30,27 +30,24 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"workers.bench: error: {message}\n")
 
 
-def _positive(kind: str):
-    def parse(text: str) -> int:
+def _at_least(kind: str, cast: type, minimum: float):
+    """An argparse type: ``cast(text)`` that must be >= minimum, with a message naming the flag."""
+
+    def parse(text: str):
         try:
-            value = int(text)
+            value = cast(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{kind} must be an integer, got '{text}'") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{kind} must be >= 1, got {value}")
+            noun = "an integer" if cast is int else "a number"
+            raise argparse.ArgumentTypeError(f"{kind} must be {noun}, got '{text}'") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{kind} must be >= {minimum}, got {value}")
         return value
 
     return parse
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"temperature must be a number, got '{text}'") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"temperature must be >= 0, got {value}")
-    return value
+def _positive(kind: str):
+    return _at_least(kind, int, 1)
 
 
 def _id_list(text: str) -> tuple[int, ...]:
@@ -79,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-thinking", action="store_true", help="thinking mode, for templates that have it")
     p.add_argument("--stop-token-ids", type=_id_list, help="comma-separated stop ids (default: eos + end-of-turn)")
     p.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=256)
-    p.add_argument("--temperature", type=_non_negative_float, default=0.0)
+    p.add_argument("--temperature", type=_at_least("temperature", float, 0), default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")

@@ -20,6 +20,8 @@ from workers.generation import GenerationConfig, GenerationOutput, StageTimer
 from workers.target import AttentionTarget
 from workers.tree import TreeParams
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 FIXTURES = ("tiny", "tiny_small_vocab")
 BLOCK = {"tiny": 8, "tiny_small_vocab": 6}  # must match conftest (checked in models())
 VOCAB = {"tiny": 32, "tiny_small_vocab": 6}
@@ -37,13 +39,6 @@ _AR_REF: dict[tuple[str, int], list[int]] = {}
 # --- helpers ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices gain nothing from intra-op threads; one thread is as fast and leaves a core free."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def models(request: pytest.FixtureRequest, name: str):

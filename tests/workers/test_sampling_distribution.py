@@ -25,6 +25,8 @@ from workers.generation import GenerationConfig
 from workers.target import VerifyOutput
 from workers.tree import TreeParams
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 PROMPT = (4, 4, 1, 3, 5, 5)  # a prompt whose 3-token distribution is spread out (entropy ~4.7 nats at T=1)
 NEW_TOKENS = 3
 ALPHA = 1e-3  # pass: p > ALPHA; the negative controls must reach p < ALPHA
@@ -140,13 +142,6 @@ class Sampler:
         return out
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices gain nothing from intra-op threads; one thread is faster and leaves a core free."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
