@@ -47,19 +47,18 @@ def generate(
             draft_logits = draft_block(drafter, target, draft_cache, bonus, new_context, params.max_depth)
         with timer.stage("tree"):
             tree = build_tree(torch.log_softmax(draft_logits.float(), dim=-1), params)  # heap runs on host
+            tree = tree.to(target.device)
         with timer.stage("verify"):
             verified = target.verify_tree(bonus[0], tree)
         with timer.stage("commit"):
             choices = sample_tokens(verified.logits, config.temperature, generator)  # [n+1]
-            device = choices.device
-            path, next_token = follow_tree(
-                tree.tokens.to(device), tree.parents.to(device), tree.visibility.to(device), choices
-            )
+            tree = tree.to(choices.device)  # a no-op unless the lm_head sits on another GPU
+            path, next_token = follow_tree(tree.tokens, tree.parents, tree.visibility, choices)
             path = path.cpu()  # sync: the round's one host read (the path length drives the commit)
             target.commit(path)
             new_context = verified.taps[:, path.to(verified.taps.device)]
             bonus = next_token.view(1)
-            out.extend(tree.tokens[path[1:] - 1].tolist() + [int(next_token.item())])
+            out.extend(tree.tokens[(path[1:] - 1).to(tree.tokens.device)].tolist() + [int(next_token.item())])
         rounds.append(int(path.shape[0]))
 
     ttft, decode = start.clock.finish()

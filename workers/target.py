@@ -94,6 +94,7 @@ class AttentionTarget:
         self._ids = torch.zeros((1, width), dtype=torch.long, device=self.device)
         self._positions = torch.zeros((1, width), dtype=torch.long, device=self.device)
         self._mask = torch.zeros((1, 1, width, capacity + width), dtype=self.dtype, device=self.device)
+        self._last_block: tuple[int, int] = (0, 0)  # (start column, width) of the previous tree block
 
     def close(self) -> None:
         for hook in self._hooks:
@@ -127,8 +128,12 @@ class AttentionTarget:
         ids[0, 1:n] = tree.tokens.to(self.device)
         positions.fill_(past)
         positions[0, 1:n] += tree.depths.to(self.device)
+        # Columns before `past` must read 0 (everyone sees the committed past): the buffer starts at
+        # zero, so only the previous round's tree block needs clearing, not the whole past.
+        last_start, last_width = self._last_block
+        self._mask[0, 0, :last_width, last_start : last_start + last_width] = 0.0
+        self._last_block = (past, width)
         mask = self._mask[:, :, :width, : past + width]
-        mask[..., :past] = 0.0  # everyone sees the committed past
         block = mask[0, 0, :, past:]
         block.fill_(torch.finfo(self.dtype).min)
         block[:n, :n].masked_fill_(tree.visibility.to(self.device), 0.0)

@@ -43,7 +43,7 @@ class TreeParams:
 
 @dataclass(frozen=True)
 class DraftTree:
-    """A drafted tree of n nodes plus the root. All tensors live on CPU.
+    """A drafted tree of n nodes plus the root (built on CPU; ``to`` moves it for verification).
 
     tokens:     [n]   token id of node i+1
     depths:     [n]   depth of node i+1 (root is depth 0, so these are >= 1)
@@ -61,6 +61,11 @@ class DraftTree:
     @property
     def num_nodes(self) -> int:
         return int(self.tokens.numel())
+
+    def to(self, device: torch.device) -> DraftTree:
+        """The same tree on ``device`` (one copy per round, shared by verify and the walk)."""
+        return DraftTree(*(t.to(device, non_blocking=True) for t in
+                           (self.tokens, self.depths, self.parents, self.visibility, self.log_probs)))
 
 
 def build_tree(draft_log_probs: torch.Tensor, params: TreeParams) -> DraftTree:
