@@ -25,12 +25,15 @@ class Progress:
             self.live = Live(console=self.console, refresh_per_second=4, transient=False)
             self.live.start()
         self._last = ""
+        self._best = ("-", -1)  # (text, complete count it was computed at): the study is re-read only on change
 
     def note(self, message: str) -> None:
         self.console.print(message)
 
     def update(self, study, slots, complete: int, wanted: int) -> None:
-        best = _best_text(study, self.config)
+        if self._best[1] != complete:
+            self._best = (_best_text(study, self.config), complete)
+        best = self._best[0]
         actors = ", ".join(
             f"#{s.index}:{s.state}" + (f"(trial {s.trial_number})" if s.trial_number is not None else "")
             for s in slots
