@@ -215,7 +215,10 @@ class Driver:
         for job in self.inflight.values():
             self.tracker.kill(job.run_id, "sweep interrupted")
             studies.fail_and_requeue(self.study, job.trial_number, job.params)
+            job.slot.state, job.slot.trial_number = "stopped", None
         self.inflight.clear()
+        self.progress.update(self.study, self.slots, studies.count_complete(self.study),
+                             studies.target_complete(self.config))
         self.tracker.finish_parent(self.parent_id, "KILLED", self._summary())
         print("orchestrator.sweep: interrupted; run the same command again to resume", file=sys.stderr)
 
