@@ -150,9 +150,6 @@ class Tracker:
             self.client.log_artifacts(run_id, str(folder))
         self.client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
 
-    def child_metrics(self, run_id: str) -> dict[str, float]:
-        return dict(self.client.get_run(run_id).data.metrics)
-
 
 def _trace_metrics(trace: MemoryTrace, started_ms: int) -> list[Metric]:
     """One step metric per sample and device: gpu{d}_allocated_gib, gpu{d}_reserved_gib, gpu{d}_nvml_used_gib."""
