@@ -14,11 +14,15 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from workers.drafter import DFlashDrafter, load_drafter  # noqa: E402
 from workers.loading import Placement, load_target  # noqa: E402
-from workers.target import AttentionTarget  # noqa: E402
+from workers.target import make_target  # noqa: E402
 from workers.tiny import TinyShape, write_tiny_pair  # noqa: E402
 
 TINY = TinyShape()  # vocab 32, 4 target layers, 2 drafter layers, block 8
 TINY_SMALL_VOCAB = TinyShape(vocab_size=6, block_size=6)  # chains get accepted often
+# Hybrid targets (Gated DeltaNet + attention layers): Qwen3.5 with a small vocabulary so drafts are
+# accepted often, and Qwen3-Next (fused projections, MoE MLPs) at the default vocabulary.
+TINY_HYBRID = TinyShape(vocab_size=6, block_size=6, arch="qwen3_5")
+TINY_NEXT = TinyShape(arch="qwen3_next")
 
 
 @dataclass
@@ -28,14 +32,14 @@ class TinyModels:
     drafter_dir: Path
     model: torch.nn.Module
     drafter: DFlashDrafter
-    target: AttentionTarget
+    target: object  # AttentionTarget or HybridTarget
 
 
 def _load(shape: TinyShape, folder: Path) -> TinyModels:
     target_dir, drafter_dir = write_tiny_pair(folder, shape)
     model = load_target(str(target_dir), dtype="float32", placement=Placement(device="cpu"))
     drafter = load_drafter(str(drafter_dir), model)
-    return TinyModels(shape, target_dir, drafter_dir, model, drafter, AttentionTarget(model, drafter.spec.target_layer_ids))
+    return TinyModels(shape, target_dir, drafter_dir, model, drafter, make_target(model, drafter.spec.target_layer_ids))
 
 
 @pytest.fixture(scope="session")
@@ -48,6 +52,18 @@ def tiny(tmp_path_factory) -> TinyModels:
 def tiny_small_vocab(tmp_path_factory) -> TinyModels:
     """Same, with a 6-token vocabulary and block 6, so random drafts are often accepted."""
     return _load(TINY_SMALL_VOCAB, tmp_path_factory.mktemp("tiny_small_vocab"))
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid(tmp_path_factory) -> TinyModels:
+    """A Qwen3.5-style hybrid target (vocab 6, block 6) and its drafter, float32 on CPU."""
+    return _load(TINY_HYBRID, tmp_path_factory.mktemp("tiny_hybrid"))
+
+
+@pytest.fixture(scope="session")
+def tiny_next(tmp_path_factory) -> TinyModels:
+    """A Qwen3-Next-style hybrid target with MoE MLPs (vocab 32, block 8) and its drafter."""
+    return _load(TINY_NEXT, tmp_path_factory.mktemp("tiny_next"))
 
 
 @pytest.fixture(scope="module")

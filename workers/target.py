@@ -2,7 +2,8 @@
 
 This is the one seam between the decoding algorithms and a model's cache. ``AttentionTarget`` covers
 attention-only models (Qwen3 / Llama style) on a transformers ``DynamicCache``; hybrid models with
-recurrent layers need a runner of their own that forks and rolls back state, behind the same methods.
+Gated DeltaNet layers run in ``workers.hybrid.HybridTarget``, which forks and rolls back their state
+behind the same methods. ``make_target`` picks the one that fits the model.
 
 Verify inputs (token ids, positions, the additive tree mask) live in buffers allocated once per
 generation at the largest size the run can ask for and sliced per round; with ``bucket_sizes`` the
@@ -23,21 +24,35 @@ from workers.tree import DraftTree
 
 # model_type values whose every layer is softmax attention over a KV cache we can index.
 ATTENTION_ONLY_TYPES = frozenset({"qwen3", "qwen3_moe", "qwen2", "qwen2_moe", "llama", "mistral"})
-HYBRID_TYPES = frozenset({"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_next"})
+# model_type values mixing Gated DeltaNet ("linear_attention") and "full_attention" layers.
+HYBRID_TYPES = frozenset({"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"})
+HYBRID_LAYER_TYPES = frozenset({"linear_attention", "full_attention"})
+
+
+def text_config(config):
+    """The language model's config (multimodal Qwen3.5 / 3.6 checkpoints nest it as ``text_config``)."""
+    inner = getattr(config, "text_config", None)
+    return inner if inner is not None else config
+
+
+def is_hybrid(config) -> bool:
+    return getattr(config, "model_type", None) in HYBRID_TYPES
 
 
 def check_supported(config) -> None:
     """Refuse, by name, an architecture whose output the engines cannot guarantee to be exact."""
     model_type = getattr(config, "model_type", "?")
+    supported = ", ".join(sorted(ATTENTION_ONLY_TYPES | HYBRID_TYPES))
     if model_type in HYBRID_TYPES:
-        raise UnsupportedModelError(
-            f"target architecture '{model_type}' is a hybrid (linear-attention) model: its recurrent state cannot "
-            "be verified with a tree mask or cropped; hybrid support is not available yet"
-        )
+        layer_types = set(getattr(text_config(config), "layer_types", None) or ())
+        if not layer_types or not layer_types <= HYBRID_LAYER_TYPES:
+            raise UnsupportedModelError(
+                f"target architecture '{model_type}' with layer types {sorted(layer_types)} is not supported "
+                f"(hybrid layers must be {sorted(HYBRID_LAYER_TYPES)})"
+            )
+        return
     if model_type not in ATTENTION_ONLY_TYPES:
-        raise UnsupportedModelError(
-            f"target architecture '{model_type}' is not supported (supported: {', '.join(sorted(ATTENTION_ONLY_TYPES))})"
-        )
+        raise UnsupportedModelError(f"target architecture '{model_type}' is not supported (supported: {supported})")
     if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
         raise UnsupportedModelError(f"target architecture '{model_type}' with sliding-window layers is not supported")
 
@@ -46,6 +61,16 @@ def check_supported(config) -> None:
 class VerifyOutput:
     logits: torch.Tensor  # [q, V] float, one row per verified node (root first)
     taps: torch.Tensor  # [1, q, k*H] hidden states after the tapped layers, on the drafter's device
+
+
+def make_target(model: nn.Module, tap_layer_ids: tuple[int, ...] = (), tap_device: torch.device | None = None):
+    """The runner for ``model``: ``HybridTarget`` for Gated DeltaNet hybrids, else ``AttentionTarget``."""
+    check_supported(model.config)
+    if is_hybrid(model.config):
+        from workers.hybrid import HybridTarget
+
+        return HybridTarget(model, tap_layer_ids, tap_device)
+    return AttentionTarget(model, tap_layer_ids, tap_device)
 
 
 def bucket_for(size: int, bucket_sizes: tuple[int, ...] | None) -> int:
@@ -68,6 +93,8 @@ class AttentionTarget:
         bucket_sizes: tuple[int, ...] | None = None,
     ) -> None:
         check_supported(model.config)
+        if is_hybrid(model.config):
+            raise UnsupportedModelError(f"'{model.config.model_type}' is a hybrid model: use workers.hybrid.HybridTarget")
         self.model = model
         self.tap_layer_ids = tuple(tap_layer_ids)
         self.tap_device = tap_device

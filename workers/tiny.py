@@ -1,7 +1,7 @@
 """Small random models the project makes itself, for tests, the offline demo and CPU benchmarks.
 
-``write_tiny_pair(folder)`` writes a Qwen3-style target (``folder/target``, transformers layout) and a
-DFlash drafter for it (``folder/drafter``, z-lab layout). Weights are random but scaled up so logits
+``write_tiny_pair(folder)`` writes a target (``folder/target``, transformers layout: Qwen3 by default,
+or a Qwen3.5 / Qwen3-Next hybrid with ``TinyShape(arch=...)``) and a DFlash drafter for it (``folder/drafter``, z-lab layout). Weights are random but scaled up so logits
 are well separated: greedy ties, which would make float32 exactness tests flaky, are then rare.
 """
 
@@ -27,9 +27,33 @@ class TinyShape:
     drafter_layers: int = 2
     block_size: int = 8
     init_std: float = 0.25
+    arch: str = "qwen3"  # or "qwen3_5" / "qwen3_next": Gated DeltaNet layers alternating with attention
+
+
+ARCHES = ("qwen3", "qwen3_5", "qwen3_next")
 
 
 def tiny_target_config(shape: TinyShape) -> dict:
+    if shape.arch not in ARCHES:
+        raise ValueError(f"tiny arch must be one of {', '.join(ARCHES)}, got {shape.arch!r}")
+    config = _qwen3_config(shape)
+    if shape.arch == "qwen3":
+        return config
+    hybrid = {
+        "layer_types": ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(shape.num_layers)],
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "linear_conv_kernel_dim": 4,
+    }
+    if shape.arch == "qwen3_5":
+        return config | hybrid | {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text"}
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
+    return config | hybrid | moe | {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next"}
+
+
+def _qwen3_config(shape: TinyShape) -> dict:
     return {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
@@ -51,7 +75,7 @@ def tiny_target_config(shape: TinyShape) -> dict:
 
 
 def tiny_drafter_config(shape: TinyShape) -> dict:
-    config = tiny_target_config(shape) | {
+    config = _qwen3_config(shape) | {
         "architectures": ["DFlashDraftModel"],
         "num_hidden_layers": shape.drafter_layers,
         "num_target_layers": shape.num_layers,
@@ -66,11 +90,13 @@ def tiny_drafter_config(shape: TinyShape) -> dict:
 
 def write_tiny_pair(folder: Path, shape: TinyShape = TinyShape(), seed: int = 0) -> tuple[Path, Path]:
     """Write target and drafter checkpoints under ``folder``; returns (target_dir, drafter_dir)."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
     target_dir, drafter_dir = folder / "target", folder / "drafter"
-    target = AutoModelForCausalLM.from_config(Qwen3Config(**tiny_target_config(shape)), dtype=torch.float32)
+    raw_target = tiny_target_config(shape)
+    config = AutoConfig.for_model(raw_target["model_type"], **{k: v for k, v in raw_target.items() if k != "model_type"})
+    target = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _spread(target, shape.init_std)
     target.save_pretrained(target_dir)
 
@@ -96,12 +122,12 @@ def distill_drafter(
     from workers.drafter import load_drafter
     from workers.generation import GenerationConfig
     from workers.loading import Placement, load_target
-    from workers.target import AttentionTarget
+    from workers.target import make_target
 
     torch.manual_seed(seed)
     model = load_target(str(target_dir), dtype="float32", placement=Placement(device="cpu"))
     drafter = load_drafter(str(drafter_dir), model)
-    target = AttentionTarget(model, drafter.spec.target_layer_ids)
+    target = make_target(model, drafter.spec.target_layer_ids)
     vocab, block = model.config.vocab_size - 1, drafter.block_size
     texts, taps = [], []
     for index in range(sequences):  # half greedy, half sampled: the drafter sees both kinds of text
@@ -160,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folder", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--distill-steps", type=int, default=600, help="drafter training steps (0: random drafter)")
+    parser.add_argument("--arch", choices=ARCHES, default="qwen3", help="target architecture (hybrids: qwen3_5, qwen3_next)")
     args = parser.parse_args(argv)
-    target_dir, drafter_dir = write_tiny_pair(args.folder, seed=args.seed)
+    target_dir, drafter_dir = write_tiny_pair(args.folder, TinyShape(arch=args.arch), seed=args.seed)
     if args.distill_steps:
         distill_drafter(target_dir, drafter_dir, steps=args.distill_steps, seed=args.seed)
     write_prompts(args.folder / "prompts.jsonl")

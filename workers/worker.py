@@ -29,7 +29,7 @@ from workers.loading import Placement, load_target, load_tokenizer
 from workers.memory import MemoryTrace, MemoryTracer, reset_and_empty_cache
 from workers.metrics import acceptance_histogram, per_category, summarize
 from workers.prompts import ChatFormat, Prompt, encode, stop_token_ids
-from workers.target import AttentionTarget
+from workers.target import make_target
 from workers.tree import TreeParams
 
 WARMUP_TOKENS = 16
@@ -113,9 +113,10 @@ class Worker:
         self.config = config
         self.model = None
         self.drafter: DFlashDrafter | None = None
-        self.target: AttentionTarget | None = None
+        self.target = None  # AttentionTarget or HybridTarget (workers.target.make_target)
         self.tokenizer = None
         self._baselines: dict[str, list[GenerationOutput]] = {}
+        self._state_bytes: int | None = None  # peak tree_state_bytes of the last _generate_all (hybrids)
 
     def load(self) -> Worker:
         cfg = self.config
@@ -126,7 +127,7 @@ class Worker:
         if cfg.drafter is not None:
             self.drafter = load_drafter(cfg.drafter, self.model, local_files_only=cfg.local_files_only)
             taps = self.drafter.spec.target_layer_ids
-        self.target = AttentionTarget(self.model, taps, tap_device=self.drafter.fc.weight.device if self.drafter else None)
+        self.target = make_target(self.model, taps, tap_device=self.drafter.fc.weight.device if self.drafter else None)
         return self
 
     @property
@@ -148,8 +149,11 @@ class Worker:
                 prompts, gen = self._prepare(spec)
                 baseline = self._baseline(spec, prompts, gen) if spec.baseline else None
                 outputs = self._generate_all(spec, prompts, gen)
+                state_bytes = self._state_bytes
             metrics = summarize(outputs, baseline, greedy=gen.temperature < 1e-5)
             metrics |= per_category(spec.prompts, outputs, baseline)
+            if state_bytes is not None:  # hybrid targets: per-node linear-attention data held per round
+                metrics["tree_state_bytes"] = float(state_bytes)
         except torch.cuda.OutOfMemoryError as exc:
             status, error = "oom", f"{type(exc).__name__}: {exc}"
         except (BadInputError, ValueError) as exc:
@@ -209,12 +213,14 @@ class Worker:
         if spec.warmup:  # one short untimed run so lazy init and allocator growth stay out of the numbers
             warm = GenerationConfig(min(WARMUP_TOKENS, gen.max_new_tokens), gen.temperature, (), gen.seed)
             generate(self.target, drafter, prompts[0], warm, params)
-        outputs = []
+        outputs, state_bytes = [], 0
         for index, prompt_ids in enumerate(prompts):
             timer = StageTimer(device_sync(self.target.device)) if spec.stage_timing else None
             prompt_gen = GenerationConfig(gen.max_new_tokens, gen.temperature, gen.stop_token_ids, gen.seed + index)
             kwargs = {"timer": timer} if timer else {}
             outputs.append(generate(self.target, drafter, prompt_ids, prompt_gen, params, **kwargs))
+            state_bytes = max(state_bytes, getattr(self.target, "peak_state_bytes", 0))
+        self._state_bytes = state_bytes if hasattr(self.target, "peak_state_bytes") else None
         return outputs
 
     def _baseline(self, spec: TrialSpec, prompts: list[torch.Tensor], gen: GenerationConfig) -> list[GenerationOutput]:

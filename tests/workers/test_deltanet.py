@@ -11,7 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.deltanet import conv_lag_index, state_after, tree_conv, tree_delta_rule, window_after, PendingState
+from workers.deltanet import (
+    PendingState,
+    conv_lag_index,
+    state_after,
+    tree_conv,
+    tree_delta_rule,
+    window_after,
+)
 
 qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 

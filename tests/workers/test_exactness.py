@@ -1,7 +1,8 @@
 """Greedy exactness: DFlash and DDTree must reproduce greedy autoregressive output token for token.
 
-Float32 on CPU with the tiny random checkpoints from ``conftest`` (vocab 32 / block 8, and vocab 6 /
-block 6 where drafts are accepted often). Every run also goes through ``check_run``, which checks
+Float32 on CPU with the tiny random checkpoints from ``conftest``: Qwen3 targets (vocab 32 / block 8,
+and vocab 6 / block 6 where drafts are accepted often) and the hybrids (Qwen3.5 at vocab 6 / block 6,
+Qwen3-Next with MoE at vocab 32 / block 8), whose Gated DeltaNet state must fork per tree node. Every run also goes through ``check_run``, which checks
 the bookkeeping every engine shares (round lengths within their bound, the bonus counted, only the
 last round cut short by a stop or the token limit). Runs are logged in ``RUN_LOG`` so the last
 test can show the sweep was not vacuous (multi-token rounds really were accepted).
@@ -22,9 +23,11 @@ from workers.tree import TreeParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-FIXTURES = ("tiny", "tiny_small_vocab")
-BLOCK = {"tiny": 8, "tiny_small_vocab": 6}  # must match conftest (checked in models())
-VOCAB = {"tiny": 32, "tiny_small_vocab": 6}
+# attention-only Qwen3 targets, then hybrids (Qwen3.5 and Qwen3-Next: Gated DeltaNet + attention)
+FIXTURES = ("tiny", "tiny_small_vocab", "tiny_hybrid", "tiny_next")
+BLOCK = {"tiny": 8, "tiny_small_vocab": 6, "tiny_hybrid": 6, "tiny_next": 8}  # must match conftest (checked in models())
+VOCAB = {"tiny": 32, "tiny_small_vocab": 6, "tiny_hybrid": 6, "tiny_next": 32}
+ATTENTION_FIXTURES = ("tiny", "tiny_small_vocab")
 
 PROMPT_LENGTHS = (1, 20, 7, 13, 3, 16, 10, 5, 2, 18, 9, 12)  # random prompts of lengths 1..20
 REF_TOKENS = 64  # greedy AR reference length per prompt (>= every max_new_tokens used below)
@@ -235,7 +238,7 @@ def test_ddtree_reference_tree_shape_equals_ar(request):
 # --- bucketed verify buffers -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", FIXTURES)
+@pytest.mark.parametrize("name", ATTENTION_FIXTURES)  # bucketed buffers belong to AttentionTarget
 @pytest.mark.parametrize("buckets", [(4, 16, 64, 128), (4, 16)], ids=["b4-16-64-128", "b4-16-only"])
 def test_bucketed_verify_buffers_equal_ar(request, name, buckets):
     """Padding the verify pass up to a bucket must not change a single token."""
@@ -442,3 +445,8 @@ def test_speculative_runs_accepted_multi_token_rounds(request):
         assert sum(r["rounds"] for r in multi) < sum(r["tokens"] - 1 for r in multi)
     spec = [r for r in RUN_LOG if r["rounds"] > 0]
     assert sum(r["committed"] > r["rounds"] for r in spec) >= 0.3 * len(spec)
+    for name in FIXTURES:  # every target kind (hybrids included) really accepted drafted tokens
+        for engine in ("dflash", "ddtree"):
+            runs = [r for r in spec if r["fixture"] == name and r["engine"] == engine]
+            multi = sum(r["committed"] > r["rounds"] for r in runs)
+            assert multi >= 3, f"{name} / {engine}: only {multi} of {len(runs)} runs accepted a drafted token"

@@ -15,12 +15,19 @@ from workers.target import AttentionTarget, bucket_for, check_supported
 from workers.tree import TreeParams, build_tree
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5", "qwen3_5_text"])
-def test_hybrid_targets_are_refused_by_name(model_type):
-    config = Qwen3Config()
-    config.model_type = model_type
-    with pytest.raises(UnsupportedModelError, match=f"'{model_type}' is a hybrid"):
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_text"])
+def test_hybrids_with_layers_we_cannot_fork_are_refused_by_name(model_type):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type, num_hidden_layers=2, layer_types=["linear_attention", "sliding_attention"])
+    with pytest.raises(UnsupportedModelError, match=f"'{model_type}' with layer types .*sliding_attention"):
         check_supported(config)
+    check_supported(AutoConfig.for_model(model_type))  # the default hybrid layout is supported
+
+
+def test_attention_target_refuses_a_hybrid_model(tiny_hybrid):
+    with pytest.raises(UnsupportedModelError, match="hybrid model: use workers.hybrid.HybridTarget"):
+        AttentionTarget(tiny_hybrid.model)
 
 
 def test_unknown_and_sliding_window_targets_are_refused():
@@ -32,17 +39,17 @@ def test_unknown_and_sliding_window_targets_are_refused():
         check_supported(Qwen3Config(use_sliding_window=True, sliding_window=16, max_window_layers=0))
 
 
-def test_bench_refuses_a_hybrid_target_folder(tmp_path):
-    folder = tmp_path / "hybrid"
+def test_bench_refuses_an_unsupported_target_folder_by_name(tmp_path):
+    folder = tmp_path / "ssm"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]}))
+    (folder / "config.json").write_text(json.dumps({"model_type": "mamba", "architectures": ["MambaForCausalLM"]}))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"input_ids": [1, 2, 3]}\n')
     proc = subprocess.run(
         [sys.executable, "-m", "workers.bench", "--target", str(folder), "--prompts", str(prompts), "--method", "ar"],
         capture_output=True, text=True, timeout=120,
     )
-    assert proc.returncode == 2 and "qwen3_next" in proc.stderr
+    assert proc.returncode == 2 and "'mamba' is not supported" in proc.stderr
 
 
 def test_bucket_for():

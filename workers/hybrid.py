@@ -1,0 +1,248 @@
+"""The target seam for hybrid models (Qwen3.5 / Qwen3.6 / Qwen3-Next): Gated DeltaNet + attention layers.
+
+transformers' own forward cannot verify a tree on these models (its linear-attention layers ignore
+the 4-D mask, so siblings leak into each other's recurrent state) and its cache cannot be rolled
+back. ``HybridTarget`` therefore runs the decoder loop itself, reusing the model's own modules for
+everything that is per token (norms, projections, MLP / MoE, attention with its gate and partial
+rotary) and replacing only the token mixing of the linear layers with ``workers.deltanet``'s tree
+form, in which every node continues its parent's conv window and recurrent state.
+
+State per sequence: a preallocated K/V buffer per attention layer, and per linear layer the conv
+window [K-1, C] and recurrent state [H, dk, dv]. A verify pass changes neither; it leaves per-node
+vectors behind (``PendingState``) and ``commit`` folds the accepted path into the state and moves
+the accepted K/V rows into place. The prompt goes through the same pass in chunks (a chain each).
+
+A target split over several GPUs (accelerate ``device_map``) works unchanged: the hidden state
+moves to each layer's device, and taps are gathered onto the drafter's device.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.deltanet import (
+    PendingState,
+    conv_lag_index,
+    state_after,
+    tree_conv,
+    tree_delta_rule,
+    window_after,
+)
+from workers.target import VerifyOutput, check_supported, text_config
+from workers.tree import DraftTree
+
+TRANSIENT_BYTES = 256 * 2**20  # cap on one layer's [heads, q, q] score matrices (they are freed per layer)
+
+
+class _KVBuffers:
+    """A duck-typed transformers cache for the attention layers: static [1, kv_heads, capacity, D] buffers.
+
+    ``update`` writes the pass's K/V at the slots after the committed ``length`` and returns the
+    committed past plus them, which is what the attention module attends over.
+    """
+
+    def __init__(self) -> None:
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.length = 0
+
+    def allocate(self, layer_id: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        self.keys[layer_id] = torch.zeros(shape, dtype=dtype, device=device)
+        self.values[layer_id] = torch.zeros(shape, dtype=dtype, device=device)
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
+        end = self.length + keys.shape[2]
+        self.keys[layer_idx][:, :, self.length : end] = keys
+        self.values[layer_idx][:, :, self.length : end] = values
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+
+class HybridTarget:
+    """A hybrid causal LM (linear-attention + attention layers) plus its state for one sequence."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tap_layer_ids: tuple[int, ...] = (),
+        tap_device: torch.device | None = None,
+        prefill_chunk: int = 256,
+    ) -> None:
+        check_supported(model.config)
+        self.model = model
+        self.config = text_config(model.config)
+        base = getattr(model, "model", model)
+        self.embed, self.layers, self.norm, self.rotary = base.embed_tokens, base.layers, base.norm, base.rotary_emb
+        self.lm_head = model.get_output_embeddings()
+        self.layer_types = tuple(self.config.layer_types)
+        self.linear_ids = tuple(i for i, kind in enumerate(self.layer_types) if kind == "linear_attention")
+        self.attention_ids = tuple(i for i, kind in enumerate(self.layer_types) if kind == "full_attention")
+        self.layer_devices = [next(layer.parameters()).device for layer in self.layers]
+        self.tap_layer_ids = tuple(tap_layer_ids)
+        self.tap_device = tap_device
+        self.prefill_chunk = prefill_chunk
+        self.device = self.embed.weight.device
+        self.dtype = self.embed.weight.dtype
+        if self.attention_ids:  # transformers renamed the attention modules' ``past_key_values`` to ``cache``
+            params = inspect.signature(self.layers[self.attention_ids[0]].self_attn.forward).parameters
+            self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.length = 0
+        self.state_bytes = 0  # extra bytes the last verify pass held for the tree (see PendingState)
+        self.peak_state_bytes = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self, capacity: int, max_verify: int) -> None:
+        """Fresh (zero) state and K/V buffers for one sequence of at most ``capacity`` tokens."""
+        cfg = self.config
+        self.length, self.peak_state_bytes, self.state_bytes = 0, 0, 0
+        self.kv = _KVBuffers()
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        for i in self.attention_ids:
+            self.kv.allocate(i, (1, cfg.num_key_value_heads, capacity, head_dim), self.dtype, self.layer_devices[i])
+        self.conv_windows: dict[int, torch.Tensor] = {}
+        self.states: dict[int, torch.Tensor] = {}
+        for i in self.linear_ids:
+            mixer = self.layers[i].linear_attn
+            window = mixer.conv_kernel_size - 1
+            self.conv_windows[i] = torch.zeros(window, mixer.conv_dim, dtype=self.dtype, device=self.layer_devices[i])
+            shape = (mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim)
+            self.states[i] = torch.zeros(shape, dtype=torch.float32, device=self.layer_devices[i])
+        self.pending: dict[int, PendingState] = {}
+
+    def close(self) -> None:
+        self.pending = {}
+
+    # -- forwards ----------------------------------------------------------------------------------
+    def prefill(self, input_ids: torch.Tensor) -> VerifyOutput:
+        """The prompt [1, T] in chunks, each a chain pass then a full commit; last logits [1, V], all taps."""
+        taps, logits = [], None
+        for begin in range(0, input_ids.shape[1], self.prefill_chunk):
+            chunk = input_ids[0, begin : begin + self.prefill_chunk].to(self.device)
+            out = self.verify_chain(chunk, last_only=True)
+            self.commit(torch.arange(chunk.shape[0]))
+            taps.append(out.taps)
+            logits = out.logits
+        self.peak_state_bytes = 0  # the metric is about verify rounds, not the prompt
+        return VerifyOutput(logits=logits, taps=torch.cat(taps, dim=1) if self.tap_layer_ids else torch.empty(0))
+
+    def verify_chain(self, tokens: torch.Tensor, last_only: bool = False) -> VerifyOutput:
+        """tokens [q] = [bonus, draft...] at positions length..length+q-1, each after the one before."""
+        q = tokens.shape[0]
+        parents = torch.arange(-1, q - 1, device=self.device)
+        depths = torch.arange(q, device=self.device)
+        visible = torch.ones(q, q, dtype=torch.bool, device=self.device).tril()
+        return self._forward(tokens.to(self.device), depths, parents, visible, last_only)
+
+    def verify_tree(self, root_token: torch.Tensor, tree: DraftTree) -> VerifyOutput:
+        """[root, nodes...] in one pass; every node sees (and continues the state of) its own ancestry."""
+        ids = torch.cat((root_token.view(1).to(self.device), tree.tokens.to(self.device)))
+        depths = torch.cat((torch.zeros(1, dtype=torch.long, device=self.device), tree.depths.to(self.device)))
+        return self._forward(ids, depths, tree.parents.to(self.device), tree.visibility.to(self.device), False)
+
+    # -- commit ------------------------------------------------------------------------------------
+    def commit(self, kept: torch.Tensor) -> None:
+        """Keep the verified nodes ``kept`` (root ... accepted node, a path) of the last pass."""
+        past, count = self.length, int(kept.shape[0])
+        for i in self.attention_ids:  # accepted K/V rows move to the slots after the committed past
+            index = past + kept.to(self.layer_devices[i])
+            for buffer in (self.kv.keys[i], self.kv.values[i]):
+                buffer[:, :, past : past + count] = buffer[:, :, index]
+        for i in self.linear_ids:
+            pending = self.pending[i]
+            path = kept.to(self.layer_devices[i])
+            self.states[i] = state_after(self.states[i], pending, path)
+            self.conv_windows[i] = window_after(pending.extended, pending.lag_index, path[-1]).to(self.dtype)
+        self.pending = {}
+        self.length = past + count
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _forward(self, ids, depths, parents, visible, last_only: bool) -> VerifyOutput:
+        q, past = ids.shape[0], self.length
+        self.kv.length = past
+        hidden = self.embed(ids).unsqueeze(0)  # [1, q, H]
+        positions = (past + depths).unsqueeze(0)
+        cos, sin = self.rotary(hidden, positions)
+        mask = torch.zeros((1, 1, q, past + q), dtype=self.dtype, device=self.device)
+        mask[0, 0, :, past:].masked_fill_(~visible, torch.finfo(self.dtype).min)
+        per_device = _PerDevice(cos=cos, sin=sin, mask=mask, parents=parents, visible=visible)
+        head_group = max(1, TRANSIENT_BYTES // (q * q * 4 * 4))
+
+        captured: dict[int, torch.Tensor] = {}
+        self.state_bytes = 0
+        for i, layer in enumerate(self.layers):
+            on = per_device.get(self.layer_devices[i])
+            hidden = hidden.to(self.layer_devices[i])
+            mixed = layer.input_layernorm(hidden)
+            if self.layer_types[i] == "linear_attention":
+                mixed = self._linear_attention(i, layer.linear_attn, mixed, on["parents"], on["visible"], head_group)
+            else:
+                kwargs = {self._cache_kwarg: self.kv}
+                mixed = layer.self_attn(
+                    hidden_states=mixed, position_embeddings=(on["cos"], on["sin"]), attention_mask=on["mask"], **kwargs
+                )[0]
+            hidden = hidden + mixed
+            mlp_out = layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + (mlp_out[0] if isinstance(mlp_out, tuple) else mlp_out)
+            if i in self.tap_layer_ids:
+                captured[i] = hidden
+        if last_only:
+            hidden = hidden[:, -1:]
+        hidden = self.norm(hidden.to(self.norm.weight.device))
+        logits = self.lm_head(hidden.to(self.lm_head.weight.device))[0]
+        self.peak_state_bytes = max(self.peak_state_bytes, self.state_bytes)
+        return VerifyOutput(logits=logits, taps=self._taps(captured))
+
+    def _linear_attention(self, i, mixer, hidden, parents, visible, head_group) -> torch.Tensor:
+        """One Gated DeltaNet layer over the pass's nodes: [1, q, H] -> [1, q, H]."""
+        q = hidden.shape[1]
+        mixed_qkv, z, b, a = _project(mixer, hidden[0])
+        lag_index = conv_lag_index(parents, mixer.conv_kernel_size - 1)
+        weight = mixer.conv1d.weight[:, 0, :]  # [C, K]
+        conv_out, extended = tree_conv(mixed_qkv, self.conv_windows[i], weight, mixer.conv1d.bias, lag_index)
+        query, key, value = torch.split(conv_out.to(hidden.dtype), [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
+        query = query.reshape(q, -1, mixer.head_k_dim)
+        key = key.reshape(q, -1, mixer.head_k_dim)
+        value = value.reshape(q, -1, mixer.head_v_dim)
+        beta = b.sigmoid()
+        log_gate = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)  # [q, H] <= 0
+        out, keys, deltas, G = tree_delta_rule(query, key, value, log_gate, beta, self.states[i], visible, head_group)
+        self.pending[i] = PendingState(keys, deltas, G, extended, lag_index)
+        self.state_bytes += self.pending[i].nbytes()
+        out = mixer.norm(out.to(hidden.dtype).reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
+        return mixer.out_proj(out.reshape(1, q, -1))
+
+    def _taps(self, captured: dict[int, torch.Tensor]) -> torch.Tensor:
+        if not self.tap_layer_ids:
+            return torch.empty(0)
+        device = self.tap_device or captured[self.tap_layer_ids[0]].device
+        return torch.cat([captured[i].to(device) for i in self.tap_layer_ids], dim=-1)
+
+
+def _project(mixer: nn.Module, hidden: torch.Tensor):
+    """(conv input [q, C], z [q, H, dv], b [q, H], a [q, H]) for Qwen3.5's split projections or
+    Qwen3-Next's fused, per-key-head interleaved ones."""
+    q = hidden.shape[0]
+    if hasattr(mixer, "in_proj_qkvz"):
+        query, key, value, z, b, a = mixer.fix_query_key_value_ordering(
+            mixer.in_proj_qkvz(hidden[None]), mixer.in_proj_ba(hidden[None])
+        )
+        mixed = torch.cat([x.reshape(q, -1) for x in (query, key, value)], dim=-1)
+        return mixed, z[0], b[0], a[0]
+    z = mixer.in_proj_z(hidden).reshape(q, -1, mixer.head_v_dim)
+    return mixer.in_proj_qkv(hidden), z, mixer.in_proj_b(hidden), mixer.in_proj_a(hidden)
+
+
+class _PerDevice:
+    """The pass's shared inputs (rotary, mask, tree shape), copied once to each device that needs them."""
+
+    def __init__(self, **tensors: torch.Tensor) -> None:
+        self.tensors = tensors
+        self.copies: dict[torch.device, dict[str, torch.Tensor]] = {}
+
+    def get(self, device: torch.device) -> dict[str, torch.Tensor]:
+        if device not in self.copies:
+            self.copies[device] = {name: t.to(device) for name, t in self.tensors.items()}
+        return self.copies[device]
