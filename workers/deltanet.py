@@ -16,14 +16,14 @@ chunk" replaced by "ancestor in the tree". With G_t the sum of g over t's path (
 so the deltas solve a unit lower-triangular system (nodes are in topological order, parents
 first) and every output is a masked matrix product. Nothing per node is larger than a token's own
 k, v and delta; the [H, q, q] score matrices are transient, one layer and one head group at a time.
-After the acceptance walk the committed state is that same sum over the accepted path only.
+After the acceptance walk the committed state is that same sum over the accepted path only
+(``state_after``); the runner recomputes the path's keys and deltas by replaying it as a chain,
+so a verify pass only has to keep each node's conv input, decay and beta.
 
 Everything runs in float32 like the reference kernels; inputs may be in any dtype.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -75,20 +75,6 @@ def window_after(extended: torch.Tensor, lag_index: torch.Tensor, node: int | to
 
 
 # -- the delta rule ------------------------------------------------------------------------------------
-@dataclass
-class PendingState:
-    """What one layer keeps from a verify pass until the commit: per-node vectors, no per-node states."""
-
-    keys: torch.Tensor  # [H, q, dk] normalised keys (float32)
-    deltas: torch.Tensor  # [H, q, dv] (float32)
-    log_decay: torch.Tensor  # [H, q] G, cumulative log decay along each node's path
-    extended: torch.Tensor  # [window+q, C] conv inputs (committed window first)
-    lag_index: torch.Tensor  # [q, window+1]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.deltas, self.log_decay, self.extended, self.lag_index))
-
-
 def tree_delta_rule(
     query: torch.Tensor,  # [q, Hk, dk]
     key: torch.Tensor,  # [q, Hk, dk]
@@ -99,7 +85,7 @@ def tree_delta_rule(
     visible: torch.Tensor,  # [q, q] bool, visible[t, j] = j is t or an ancestor of t
     head_group: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Outputs [q, H, dv] of every node, each from its own path; plus (keys, deltas, G) for the commit.
+    """Outputs [q, H, dv] of every node, each from its own path; plus (keys [Hk, q, dk], deltas, G) for the commit.
 
     ``head_group`` bounds the transient [group, q, q] matrices (None = all heads at once).
     """
@@ -127,13 +113,20 @@ def tree_delta_rule(
         delta = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)  # [h, q, dv]
         outputs[hs] = g.exp()[:, :, None] * (qh @ S0) + (decay * (qh @ k.transpose(1, 2))) @ delta
         deltas[hs] = delta
-    return outputs.transpose(0, 1), k_, deltas, G
+    return outputs.transpose(0, 1), k_[::repeat].contiguous(), deltas, G
 
 
-def state_after(state: torch.Tensor, pending: PendingState, path: torch.Tensor) -> torch.Tensor:
-    """Recurrent state [H, dk, dv] once the nodes ``path`` (root ... accepted node) are committed."""
-    G_path = pending.log_decay[:, path]  # [H, p]
+def state_after(
+    state: torch.Tensor,  # [H, dk, dv] committed before the pass
+    keys: torch.Tensor,  # [Hk, q, dk] from tree_delta_rule
+    deltas: torch.Tensor,  # [H, q, dv]
+    log_decay: torch.Tensor,  # [H, q] G
+    path: torch.Tensor,  # [p] node indices root ... accepted node
+) -> torch.Tensor:
+    """Recurrent state [H, dk, dv] once the nodes ``path`` are committed."""
+    G_path = log_decay[:, path]  # [H, p]
     last = G_path[:, -1:]
     weights = (last - G_path).exp()  # [H, p]
-    keys = pending.keys[:, path] * weights[:, :, None]  # [H, p, dk]
-    return last.exp()[:, :, None] * state.float() + keys.transpose(1, 2) @ pending.deltas[:, path]
+    repeat = deltas.shape[0] // keys.shape[0]
+    path_keys = keys[:, path].repeat_interleave(repeat, dim=0) * weights[:, :, None]  # [H, p, dk]
+    return last.exp()[:, :, None] * state.float() + path_keys.transpose(1, 2) @ deltas[:, path]

@@ -8,9 +8,10 @@ rotary) and replacing only the token mixing of the linear layers with ``workers.
 form, in which every node continues its parent's conv window and recurrent state.
 
 State per sequence: a preallocated K/V buffer per attention layer, and per linear layer the conv
-window [K-1, C] and recurrent state [H, dk, dv]. A verify pass changes neither; it leaves per-node
-vectors behind (``PendingState``) and ``commit`` folds the accepted path into the state and moves
-the accepted K/V rows into place. The prompt goes through the same pass in chunks (a chain each).
+window [K-1, C] and recurrent state [H, dk, dv]. A verify pass changes neither; it leaves each
+node's conv input, decay and beta behind (``PendingLayer``, no per-node state), and ``commit``
+replays the accepted path as a short chain from the committed state and moves the accepted K/V
+rows into place. The prompt goes through the same pass in chunks (a chain each).
 
 A target split over several GPUs (accelerate ``device_map``) works unchanged: the hidden state
 moves to each layer's device, and taps are gathered onto the drafter's device.
@@ -19,23 +20,51 @@ moves to each layer's device, and taps are gathered onto the drafter's device.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.deltanet import (
-    PendingState,
-    conv_lag_index,
-    state_after,
-    tree_conv,
-    tree_delta_rule,
-    window_after,
-)
+from workers.deltanet import conv_lag_index, state_after, tree_conv, tree_delta_rule, window_after
 from workers.target import VerifyOutput, check_supported, text_config
 from workers.tree import DraftTree
 
 TRANSIENT_BYTES = 256 * 2**20  # cap on one layer's [heads, q, q] score matrices (they are freed per layer)
+
+
+@dataclass
+class PendingLayer:
+    """What one linear layer keeps from a verify pass until the commit (the replay's inputs)."""
+
+    extended: torch.Tensor  # [window+q, C] committed conv window, then each node's conv input (model dtype)
+    lag_index: torch.Tensor  # [q, window+1] rows of ``extended`` each node's conv reads
+    log_gate: torch.Tensor  # [q, H] float32 per-node log decay g
+    beta: torch.Tensor  # [q, H] per-node beta (model dtype)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.extended, self.lag_index, self.log_gate, self.beta))
+
+
+def tree_state_bytes(config, nodes: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes a verify pass of ``nodes`` tokens keeps until the commit: every linear layer's
+    ``PendingLayer``. Transient [heads, q, q] score matrices are capped separately
+    (``TRANSIENT_BYTES`` per layer) and freed layer by layer."""
+    cfg = text_config(config)
+    layers = sum(kind == "linear_attention" for kind in cfg.layer_types)
+    heads, key_heads = cfg.linear_num_value_heads, cfg.linear_num_key_heads
+    window = cfg.linear_conv_kernel_dim - 1
+    conv_dim = 2 * key_heads * cfg.linear_key_head_dim + heads * cfg.linear_value_head_dim
+    element = torch.empty((), dtype=dtype).element_size()
+    per_layer = element * (window + nodes) * conv_dim + 8 * nodes * (window + 1) + (4 + element) * nodes * heads
+    return layers * per_layer
+
+
+def full_state_bytes(config, nodes: int) -> int:
+    """What keeping a float32 recurrent state per node would cost instead (the naive fork)."""
+    cfg = text_config(config)
+    layers = sum(kind == "linear_attention" for kind in cfg.layer_types)
+    return nodes * layers * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
 
 
 class _KVBuffers:
@@ -90,7 +119,7 @@ class HybridTarget:
             params = inspect.signature(self.layers[self.attention_ids[0]].self_attn.forward).parameters
             self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.length = 0
-        self.state_bytes = 0  # extra bytes the last verify pass held for the tree (see PendingState)
+        self.state_bytes = 0  # extra bytes the last verify pass held for the tree (see PendingLayer)
         self.peak_state_bytes = 0
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -110,7 +139,7 @@ class HybridTarget:
             self.conv_windows[i] = torch.zeros(window, mixer.conv_dim, dtype=self.dtype, device=self.layer_devices[i])
             shape = (mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim)
             self.states[i] = torch.zeros(shape, dtype=torch.float32, device=self.layer_devices[i])
-        self.pending: dict[int, PendingState] = {}
+        self.pending: dict[int, PendingLayer] = {}
 
     def close(self) -> None:
         self.pending = {}
@@ -131,9 +160,8 @@ class HybridTarget:
     def verify_chain(self, tokens: torch.Tensor, last_only: bool = False) -> VerifyOutput:
         """tokens [q] = [bonus, draft...] at positions length..length+q-1, each after the one before."""
         q = tokens.shape[0]
-        parents = torch.arange(-1, q - 1, device=self.device)
+        parents, visible = _chain(q, self.device)
         depths = torch.arange(q, device=self.device)
-        visible = torch.ones(q, q, dtype=torch.bool, device=self.device).tril()
         return self._forward(tokens.to(self.device), depths, parents, visible, last_only)
 
     def verify_tree(self, root_token: torch.Tensor, tree: DraftTree) -> VerifyOutput:
@@ -150,10 +178,16 @@ class HybridTarget:
             index = past + kept.to(self.layer_devices[i])
             for buffer in (self.kv.keys[i], self.kv.values[i]):
                 buffer[:, :, past : past + count] = buffer[:, :, index]
-        for i in self.linear_ids:
-            pending = self.pending[i]
-            path = kept.to(self.layer_devices[i])
-            self.states[i] = state_after(self.states[i], pending, path)
+        for i in self.linear_ids:  # replay the accepted path as a chain from the committed state
+            pending, path = self.pending[i], kept.to(self.layer_devices[i])
+            mixer = self.layers[i].linear_attn
+            window = mixer.conv_kernel_size - 1
+            parents, visible = _chain(count, path.device)
+            _, (keys, deltas, G), _ = self._delta_rule(
+                i, mixer, pending.extended[window + path], pending.log_gate[path], pending.beta[path],
+                conv_lag_index(parents, window), visible, head_group=None,
+            )
+            self.states[i] = state_after(self.states[i], keys, deltas, G, torch.arange(count, device=path.device))
             self.conv_windows[i] = window_after(pending.extended, pending.lag_index, path[-1]).to(self.dtype)
         self.pending = {}
         self.length = past + count
@@ -199,20 +233,29 @@ class HybridTarget:
         """One Gated DeltaNet layer over the pass's nodes: [1, q, H] -> [1, q, H]."""
         q = hidden.shape[1]
         mixed_qkv, z, b, a = _project(mixer, hidden[0])
-        lag_index = conv_lag_index(parents, mixer.conv_kernel_size - 1)
-        weight = mixer.conv1d.weight[:, 0, :]  # [C, K]
-        conv_out, extended = tree_conv(mixed_qkv, self.conv_windows[i], weight, mixer.conv1d.bias, lag_index)
-        query, key, value = torch.split(conv_out.to(hidden.dtype), [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
-        query = query.reshape(q, -1, mixer.head_k_dim)
-        key = key.reshape(q, -1, mixer.head_k_dim)
-        value = value.reshape(q, -1, mixer.head_v_dim)
         beta = b.sigmoid()
         log_gate = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)  # [q, H] <= 0
-        out, keys, deltas, G = tree_delta_rule(query, key, value, log_gate, beta, self.states[i], visible, head_group)
-        self.pending[i] = PendingState(keys, deltas, G, extended, lag_index)
+        lag_index = conv_lag_index(parents, mixer.conv_kernel_size - 1)
+        out, _, extended = self._delta_rule(i, mixer, mixed_qkv, log_gate, beta, lag_index, visible, head_group)
+        self.pending[i] = PendingLayer(extended, lag_index, log_gate, beta)
         self.state_bytes += self.pending[i].nbytes()
         out = mixer.norm(out.to(hidden.dtype).reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
         return mixer.out_proj(out.reshape(1, q, -1))
+
+    def _delta_rule(self, i, mixer, conv_inputs, log_gate, beta, lag_index, visible, head_group):
+        """Conv + gated delta rule from layer i's committed state over nodes shaped by (lag_index,
+        visible); returns (outputs [q, H, dv], (keys, deltas, G) for ``state_after``, conv inputs)."""
+        q = conv_inputs.shape[0]
+        weight = mixer.conv1d.weight[:, 0, :]  # [C, K]
+        conv_out, extended = tree_conv(conv_inputs, self.conv_windows[i], weight, mixer.conv1d.bias, lag_index)
+        query, key, value = torch.split(
+            conv_out.to(conv_inputs.dtype), [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1
+        )
+        query = query.reshape(q, -1, mixer.head_k_dim)
+        key = key.reshape(q, -1, mixer.head_k_dim)
+        value = value.reshape(q, -1, mixer.head_v_dim)
+        out, keys, deltas, G = tree_delta_rule(query, key, value, log_gate, beta, self.states[i], visible, head_group)
+        return out, (keys, deltas, G), extended
 
     def _taps(self, captured: dict[int, torch.Tensor]) -> torch.Tensor:
         if not self.tap_layer_ids:
@@ -233,6 +276,11 @@ def _project(mixer: nn.Module, hidden: torch.Tensor):
         return mixed, z[0], b[0], a[0]
     z = mixer.in_proj_z(hidden).reshape(q, -1, mixer.head_v_dim)
     return mixer.in_proj_qkv(hidden), z, mixer.in_proj_b(hidden), mixer.in_proj_a(hidden)
+
+
+def _chain(q: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(parents, visibility) of q nodes in a line."""
+    return torch.arange(-1, q - 1, device=device), torch.ones(q, q, dtype=torch.bool, device=device).tril()
 
 
 class _PerDevice:

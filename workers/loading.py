@@ -19,14 +19,17 @@ class Placement:
     """Where the target goes.
 
     device:     "cpu", "cuda", "cuda:N" or "auto" (cuda when available, else cpu) for one device;
-    gpus:       when > 1, split the target over that many visible GPUs with accelerate's
-                device_map="auto" (layers kept whole), leaving ``max_memory_per_gpu`` as the cap per
-                GPU so caches and tree buffers have headroom.
+    gpus:       when > 1, split the target over that many visible GPUs (``workers.placement``:
+                layers kept whole, headroom reserved for caches, tree buffers and the drafter, which
+                goes with the last layers and lm_head); ``max_memory_per_gpu`` optionally caps the
+                weights per GPU further.
+    drafter_bytes: the drafter's weight bytes, reserved on the GPU that gets lm_head.
     """
 
     device: str = "auto"
     gpus: int = 1
     max_memory_per_gpu: str | None = None
+    drafter_bytes: int = 0
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -36,15 +39,21 @@ class Placement:
             raise BadInputError(f"--device {self.device}: no CUDA device is visible on this machine")
         return device
 
-    def from_pretrained_kwargs(self) -> dict:
+    def from_pretrained_kwargs(self, config=None, dtype: torch.dtype = torch.bfloat16) -> dict:
         device = self.resolve_device()
         if device.type != "cuda" or self.gpus <= 1:
             return {"device_map": {"": device}}
+        from accelerate.utils import convert_file_size_to_int
+
+        from workers.placement import plan_split
+
         visible = torch.cuda.device_count()
         if visible < self.gpus:
             raise BadInputError(f"placement asks for {self.gpus} GPUs but only {visible} are visible")
-        cap = self.max_memory_per_gpu or f"{int(torch.cuda.get_device_properties(0).total_memory * 0.9 / 2**30)}GiB"
-        return {"device_map": "auto", "max_memory": {i: cap for i in range(self.gpus)}}
+        sizes = [torch.cuda.get_device_properties(i).total_memory for i in range(self.gpus)]
+        cap = convert_file_size_to_int(self.max_memory_per_gpu) if self.max_memory_per_gpu else None
+        plan = plan_split(config, sizes, dtype, drafter_bytes=self.drafter_bytes, weight_cap=cap)
+        return {"device_map": plan.device_map}
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -75,7 +84,7 @@ def load_target(
         dtype=parse_dtype(dtype),
         attn_implementation=attn_implementation,
         local_files_only=local_files_only,
-        **placement.from_pretrained_kwargs(),
+        **placement.from_pretrained_kwargs(config, parse_dtype(dtype)),
     )
     return model.eval()
 

@@ -22,12 +22,13 @@ from typing import Any
 import torch
 
 from workers import ar, ddtree, dflash
-from workers.drafter import DFlashDrafter, load_drafter
+from workers.drafter import DFlashDrafter, DrafterSpec, load_drafter, resolve_checkpoint_dir
 from workers.errors import BadInputError
 from workers.generation import GenerationConfig, GenerationOutput, StageTimer, device_sync
-from workers.loading import Placement, load_target, load_tokenizer
+from workers.loading import Placement, load_target, load_tokenizer, parse_dtype
 from workers.memory import MemoryTrace, MemoryTracer, reset_and_empty_cache
 from workers.metrics import acceptance_histogram, per_category, summarize
+from workers.placement import drafter_bytes_for
 from workers.prompts import ChatFormat, Prompt, encode, stop_token_ids
 from workers.target import make_target
 from workers.tree import TreeParams
@@ -120,7 +121,8 @@ class Worker:
 
     def load(self) -> Worker:
         cfg = self.config
-        placement = Placement(device=cfg.device, gpus=cfg.gpus, max_memory_per_gpu=cfg.max_memory_per_gpu)
+        placement = Placement(device=cfg.device, gpus=cfg.gpus, max_memory_per_gpu=cfg.max_memory_per_gpu,
+                              drafter_bytes=self._drafter_bytes())
         self.model = load_target(cfg.target, cfg.dtype, placement, cfg.attn_implementation, cfg.local_files_only)
         self.tokenizer = load_tokenizer(cfg.target, cfg.local_files_only)
         taps: tuple[int, ...] = ()
@@ -129,6 +131,14 @@ class Worker:
             taps = self.drafter.spec.target_layer_ids
         self.target = make_target(self.model, taps, tap_device=self.drafter.fc.weight.device if self.drafter else None)
         return self
+
+    def _drafter_bytes(self) -> int:
+        """The drafter's weight bytes, reserved beside lm_head when the target is split (else 0)."""
+        cfg = self.config
+        if cfg.gpus <= 1 or cfg.drafter is None:
+            return 0
+        spec = DrafterSpec.from_config_file(resolve_checkpoint_dir(cfg.drafter, cfg.local_files_only) / "config.json")
+        return drafter_bytes_for(spec, parse_dtype(cfg.dtype))
 
     @property
     def block_size(self) -> int | None:

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 from nbclient import NotebookClient
 
-from tests.orchestrator.conftest import ROOT, run_sweep, sweep_env, sweep_dict, write_sweep
+from tests.orchestrator.conftest import ROOT, run_sweep, sweep_dict, sweep_env, write_sweep
 
 
 @pytest.fixture(scope="module")

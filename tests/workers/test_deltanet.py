@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from workers.deltanet import (
-    PendingState,
     conv_lag_index,
     state_after,
     tree_conv,
@@ -59,7 +58,6 @@ def test_tree_delta_rule_matches_sequential_per_path(seed: int, chain: bool) -> 
     state = torch.randn(h, dk, dv, generator=g) * 0.3
 
     out, keys, deltas, G = tree_delta_rule(query, key, value, log_gate, beta, state, visibility(parents), head_group=3)
-    pending = PendingState(keys, deltas, G, torch.zeros(1), torch.zeros(1))
     for node in range(q):
         path = path_of(parents, node)
         ref_out, ref_state = qwen3_5.torch_recurrent_gated_delta_rule(
@@ -67,7 +65,7 @@ def test_tree_delta_rule_matches_sequential_per_path(seed: int, chain: bool) -> 
             initial_state=state[None], output_final_state=True, use_qk_l2norm_in_kernel=True,
         )
         torch.testing.assert_close(out[node], ref_out[0, -1], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(state_after(state, pending, torch.tensor(path)), ref_state[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(state_after(state, keys, deltas, G, torch.tensor(path)), ref_state[0], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("seed", range(5))

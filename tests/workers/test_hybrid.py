@@ -15,7 +15,7 @@ import torch
 
 from workers import ar, ddtree
 from workers.generation import GenerationConfig
-from workers.hybrid import HybridTarget
+from workers.hybrid import HybridTarget, full_state_bytes, tree_state_bytes
 from workers.tree import TreeParams, build_tree
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -130,13 +130,9 @@ def test_tree_state_bytes_are_per_node_vectors_not_states(tiny_next):
         for budget in (8, 32, 96):
             target.verify_tree(torch.tensor(3), random_tree(32, budget, depth=7, seed=budget))
             sizes[1 + budget] = target.state_bytes
-    cfg = model.config
-    linear_layers = sum(kind == "linear_attention" for kind in cfg.layer_types)
-    conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
-    heads, dk, dv, window = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, 3
     for q, size in sizes.items():
-        per_layer = 4 * q * heads * (dk + dv + 1) + 4 * (window + q) * conv_dim + 8 * q * (window + 1)
-        assert size == linear_layers * per_layer
+        assert size == tree_state_bytes(model.config, q, torch.float32)
+        assert size < full_state_bytes(model.config, q)
     assert target.peak_state_bytes == max(sizes.values())
 
 

@@ -1,0 +1,86 @@
+"""Named model shapes: the configs of the real targets and drafters, without their weights.
+
+Used to plan placement on a meta device, to compute per-round memory for a 27B hybrid, and to build
+random-weight models of the real size on a GPU (``python -m workers.bench --shape ...``) so speed can
+be measured without downloading checkpoints.
+
+Sources: Qwen3-8B and its DFlash drafter (5 layers, block 16, target_layer_ids [1, 9, 17, 25, 33])
+as in FIELD_NOTES; Qwen3.6-27B as published for Qwen3.5-27B (64 layers, every 4th full attention,
+hidden 5120, 24 heads / 4 KV heads of 256 with a quarter rotary, Gated DeltaNet with 16 key and 48
+value heads of 128, conv kernel 4, vocab 248320, untied). The 27B drafter's layer shape is an
+assumption (5 Qwen3-style layers at the target's width and head layout, block 16).
+"""
+
+from __future__ import annotations
+
+from workers.drafter import default_target_layer_ids
+
+TARGETS: dict[str, dict] = {
+    "qwen3-8b": {
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+    },
+    "qwen3.6-27b": {
+        "model_type": "qwen3_5_text",
+        "vocab_size": 248320,
+        "hidden_size": 5120,
+        "intermediate_size": 17408,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)],
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "max_position_embeddings": 262144,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+    },
+}
+
+DRAFTER_LAYERS, DRAFTER_BLOCK = 5, 16
+
+
+def target_config(name: str):
+    """A transformers config object for the named target shape."""
+    from transformers import AutoConfig
+
+    raw = dict(_known(TARGETS, name))
+    return AutoConfig.for_model(raw.pop("model_type"), **raw)
+
+
+def drafter_config(name: str) -> dict:
+    """The DFlash drafter config (z-lab layout) for the named target shape."""
+    target = _known(TARGETS, name)
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "rms_norm_eps", "max_position_embeddings")
+    layer_ids = default_target_layer_ids(target["num_hidden_layers"], DRAFTER_LAYERS)
+    return {k: target[k] for k in keep} | {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "num_hidden_layers": DRAFTER_LAYERS,
+        "num_target_layers": target["num_hidden_layers"],
+        "block_size": DRAFTER_BLOCK,
+        "rope_theta": 1000000.0,
+        "dflash_config": {"mask_token_id": target["vocab_size"] - 1, "target_layer_ids": layer_ids},
+    }
+
+
+def _known(table: dict[str, dict], name: str) -> dict:
+    if name not in table:
+        raise KeyError(f"unknown shape '{name}' (known: {', '.join(sorted(table))})")
+    return table[name]
