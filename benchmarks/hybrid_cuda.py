@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import statistics
 import time
 
@@ -169,7 +170,7 @@ def costs(config, device, context: int, reps: int) -> list[str]:
     def hf_prefill():
         model(prompt, use_cache=True)
 
-    cache_kwarg = "cache" if "cache" in model.forward.__code__.co_varnames else "past_key_values"
+    cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     cache = DynamicCache(config=config)
     out = model(prompt, use_cache=True, **{cache_kwarg: cache})
     cache = getattr(out, "cache", None) or out.past_key_values
