@@ -198,6 +198,8 @@ class HybridTarget:
         self.kv.length = past
         hidden = self.embed(ids).unsqueeze(0)  # [1, q, H]
         positions = (past + depths).unsqueeze(0)
+        if hasattr(self.rotary, "mrope_section"):  # Qwen3.5's multimodal rotary: text uses one position thrice
+            positions = positions.unsqueeze(0).expand(3, 1, q)
         cos, sin = self.rotary(hidden, positions)
         mask = torch.zeros((1, 1, q, past + q), dtype=self.dtype, device=self.device)
         mask[0, 0, :, past:].masked_fill_(~visible, torch.finfo(self.dtype).min)
