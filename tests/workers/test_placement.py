@@ -74,3 +74,16 @@ def test_an_attention_model_on_one_gpu_goes_whole(hybrid_27b):
     plan = plan_split(target_config("qwen3-8b"), [GB48], torch.bfloat16)
     assert set(plan.device_map.values()) == {0} and plan.drafter_gpu == 0
     assert 14 * GiB < plan.weight_bytes[0] < 16 * GiB
+
+
+def test_the_multimodal_checkpoint_config_plans_its_language_model(hybrid_27b):
+    """Released Qwen3.5/3.6 checkpoints carry a composite config (text_config inside)."""
+    from transformers import AutoConfig
+
+    from workers.shapes import TARGETS
+
+    text = {k: v for k, v in TARGETS["qwen3.6-27b"].items() if k != "model_type"}
+    composite = AutoConfig.for_model("qwen3_5", text_config=text)
+    plan = plan_split(composite, [GB48, GB48], torch.bfloat16, drafter_bytes=hybrid_27b[1])
+    assert sum(name.startswith("model.layers.") for name in plan.device_map) == 64
+    assert plan.device_map["lm_head"] == 1 and min(plan.free_bytes()) > 2 * GiB
