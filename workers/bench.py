@@ -5,6 +5,11 @@ Example (the tiny offline models; see ``python -m workers.tiny``)::
     python -m workers.bench --target models/tiny/target --drafter models/tiny/drafter \\
         --method ddtree --tree-budget 32 --prompts models/tiny/prompts.jsonl --dtype float32 --json
 
+Random weights of a real shape, built on the GPU (no download; prompts are random token ids of
+``--prompt-length`` unless ``--prompts`` is given)::
+
+    python -m workers.bench --target random:qwen3-8b --drafter random:qwen3-8b --method ddtree --tree-budget 256
+
 With ``--json`` stdout holds exactly one JSON object: method, params, status, metrics,
 acceptance_histogram, memory (peaks per device) and outputs (token_ids and acceptance_lengths per
 prompt). Bad flags or checkpoints that do not fit exit with status 2 and a one-line message; a trial
@@ -59,8 +64,10 @@ def _id_list(text: str) -> tuple[int, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m workers.bench", description="Time AR, DFlash or DDTree decoding on a prompt file.")
-    p.add_argument("--target", required=True, help="target model: hub id or local folder")
-    p.add_argument("--drafter", help="DFlash drafter checkpoint: hub id or local folder (needed for dflash/ddtree)")
+    p.add_argument("--target", required=True,
+                   help="target model: hub id, local folder, or random:<shape> (shapes: qwen3-8b, qwen3.6-27b)")
+    p.add_argument("--drafter", help="DFlash drafter checkpoint: hub id, local folder or random:<shape> "
+                   "(needed for dflash/ddtree)")
     p.add_argument("--method", required=True, choices=["ar", "dflash", "ddtree"])
     p.add_argument("--tree-budget", type=_positive("--tree-budget"), help="DDTree nodes besides the root")
     p.add_argument("--max-depth", type=_positive("--max-depth"), help="DDTree depth cap (default block_size-1)")
@@ -75,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-chat-template", action="store_true", help="raw prompt text, no chat template")
     p.add_argument("--enable-thinking", action="store_true", help="thinking mode, for templates that have it")
     p.add_argument("--stop-token-ids", type=_id_list, help="comma-separated stop ids (default: eos + end-of-turn)")
+    p.add_argument("--prompt-length", type=_positive("--prompt-length"), default=1024,
+                   help="random:<shape> targets without --prompts: random prompts of this many tokens")
     p.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=256)
     p.add_argument("--temperature", type=_at_least("temperature", float, 0), default=0.0)
     p.add_argument("--seed", type=int, default=0)
@@ -86,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    if args.prompts is None and args.dataset is None:
+    if args.prompts is None and args.dataset is None and not args.target.startswith("random:"):
         parser.error("give --prompts FILE, --dataset NAME, or both")
     if args.method in ("dflash", "ddtree") and not args.drafter:
         parser.error(f"--method {args.method} needs --drafter")
@@ -110,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     from workers.worker import Method, TrialSpec, Worker, WorkerConfig
 
     try:
-        prompts = load_source(PromptSource(args.prompts, args.dataset, args.split, args.limit, args.sample_seed))
+        random_prompts = args.prompts is None and args.dataset is None  # a random:<shape> target
+        if not random_prompts:
+            prompts = load_source(PromptSource(args.prompts, args.dataset, args.split, args.limit, args.sample_seed))
         config = WorkerConfig(target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device,
                               chat_template=not args.no_chat_template, enable_thinking=args.enable_thinking)
         warning = thinking_warning(args.drafter, args.enable_thinking)
@@ -118,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
             print(warning, file=sys.stderr)
         worker = Worker(config)
         worker.load()
+        if random_prompts:
+            rows = worker.model.get_input_embeddings().weight.shape[0]
+            prompts = _random_prompts(args.limit or 4, args.prompt_length, rows - 1, args.seed)
         block = worker.block_size
         for flag, value in (("--max-depth", args.max_depth), ("--num-draft-tokens", args.num_draft_tokens)):
             if value is not None and block is not None and value > block - 1:
@@ -148,6 +162,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"workers.bench: trial {result.status}: {result.error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _random_prompts(count: int, length: int, vocab: int, seed: int) -> list:
+    import torch
+
+    from workers.prompts import Prompt
+
+    generator = torch.Generator().manual_seed(seed)
+    return [Prompt(input_ids=tuple(torch.randint(1, vocab, (length,), generator=generator).tolist()))
+            for _ in range(count)]
 
 
 def _json_payload(result) -> dict:

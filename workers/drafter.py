@@ -338,8 +338,16 @@ def load_drafter(
     """Load a z-lab drafter checkpoint into DFlashDrafter, checked against the target.
 
     The drafter takes the target's dtype and, unless told otherwise, the device of the target's
-    lm_head (it feeds that lm_head every round).
+    lm_head (it feeds that lm_head every round). ``random:<shape>`` builds a random-weight drafter
+    of that target shape (``workers.shapes``).
     """
+    if name_or_path.startswith("random:"):
+        from workers.shapes import build_random_drafter
+
+        try:
+            return build_random_drafter(name_or_path.removeprefix("random:"), target)
+        except KeyError as exc:
+            raise CheckpointMismatchError(f"drafter {name_or_path}: {exc.args[0]}") from None
     folder = resolve_checkpoint_dir(name_or_path, local_files_only)
     config_path = folder / "config.json"
     if not config_path.exists():

@@ -70,8 +70,22 @@ def load_target(
     attn_implementation: str = "sdpa",
     local_files_only: bool = False,
 ) -> nn.Module:
-    """AutoModelForCausalLM from a hub id or a local folder, checked to be an architecture we run."""
+    """AutoModelForCausalLM from a hub id or a local folder, checked to be an architecture we run.
+
+    ``random:<shape>`` (``workers.shapes``) builds that shape with random weights on the device instead.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from workers.shapes import build_random_target, random_shape_name
+
+    try:
+        shape = random_shape_name(name_or_path)
+    except KeyError as exc:
+        raise BadInputError(f"target {name_or_path}: {exc.args[0]}") from None
+    if shape is not None:
+        if placement.gpus > 1:
+            raise BadInputError(f"target {name_or_path}: random-weight shapes are built on one device")
+        return build_random_target(shape, parse_dtype(dtype), placement.resolve_device())
 
     try:
         config = AutoConfig.from_pretrained(name_or_path, local_files_only=local_files_only)
@@ -92,6 +106,9 @@ def load_target(
 def load_tokenizer(name_or_path: str, local_files_only: bool = False):
     """The target's tokenizer, or None for a model folder that ships none (prompts then give ids)."""
     from transformers import AutoTokenizer
+
+    if name_or_path.startswith("random:"):
+        return None
 
     try:
         return AutoTokenizer.from_pretrained(name_or_path, local_files_only=local_files_only)

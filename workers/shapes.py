@@ -1,8 +1,8 @@
 """Named model shapes: the configs of the real targets and drafters, without their weights.
 
 Used to plan placement on a meta device, to compute per-round memory for a 27B hybrid, and to build
-random-weight models of the real size on a GPU (``python -m workers.bench --shape ...``) so speed can
-be measured without downloading checkpoints.
+random-weight models of the real size on a GPU (``--target random:qwen3-8b --drafter random:qwen3-8b``
+wherever a model path is accepted) so speed can be measured without downloading checkpoints.
 
 Sources: Qwen3-8B and its DFlash drafter (5 layers, block 16, target_layer_ids [1, 9, 17, 25, 33])
 as in FIELD_NOTES; Qwen3.6-27B as published for Qwen3.5-27B (64 layers, every 4th full attention,
@@ -12,6 +12,8 @@ assumption (5 Qwen3-style layers at the target's width and head layout, block 16
 """
 
 from __future__ import annotations
+
+import torch
 
 from workers.drafter import default_target_layer_ids
 
@@ -51,6 +53,14 @@ TARGETS: dict[str, dict] = {
         "tie_word_embeddings": False,
     },
 }
+# Smoke-test sizes of the same layouts (4 layers, width 256): quick on a CPU, same code paths.
+_MINI = {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+TARGETS["qwen3-mini"] = TARGETS["qwen3-8b"] | _MINI
+TARGETS["qwen3.6-mini"] = TARGETS["qwen3.6-27b"] | _MINI | {
+    "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(4)],
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+}
 
 DRAFTER_LAYERS, DRAFTER_BLOCK = 5, 16
 
@@ -84,3 +94,38 @@ def _known(table: dict[str, dict], name: str) -> dict:
     if name not in table:
         raise KeyError(f"unknown shape '{name}' (known: {', '.join(sorted(table))})")
     return table[name]
+
+
+# -- random-weight models of a named shape ("random:qwen3-8b" wherever a model path is accepted) -----
+RANDOM_PREFIX = "random:"
+
+
+def random_shape_name(name_or_path: str) -> str | None:
+    """The shape in "random:<shape>", else None (a real checkpoint)."""
+    if not name_or_path.startswith(RANDOM_PREFIX):
+        return None
+    name = name_or_path.removeprefix(RANDOM_PREFIX)
+    _known(TARGETS, name)
+    return name
+
+
+def build_random_target(name: str, dtype: torch.dtype, device: torch.device):
+    """A target of the named shape with random weights, initialised directly on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(target_config(name), dtype=dtype)
+    return model.eval()
+
+
+def build_random_drafter(name: str, target):
+    """A DFlash drafter of the named target shape with random weights, beside the target's lm_head."""
+    from workers.drafter import DFlashDrafter, DrafterSpec
+
+    spec = DrafterSpec.from_dict(drafter_config(name), source=f"{RANDOM_PREFIX}{name}")
+    spec.check_fits(target.config, embedding_rows=target.get_input_embeddings().weight.shape[0], source=f"{RANDOM_PREFIX}{name}")
+    lm_head = target.get_output_embeddings().weight
+    with torch.device(lm_head.device):
+        drafter = DFlashDrafter(spec)
+    return drafter.to(dtype=lm_head.dtype).eval()

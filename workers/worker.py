@@ -135,7 +135,7 @@ class Worker:
     def _drafter_bytes(self) -> int:
         """The drafter's weight bytes, reserved beside lm_head when the target is split (else 0)."""
         cfg = self.config
-        if cfg.gpus <= 1 or cfg.drafter is None:
+        if cfg.gpus <= 1 or cfg.drafter is None or cfg.drafter.startswith("random:"):
             return 0
         spec = DrafterSpec.from_config_file(resolve_checkpoint_dir(cfg.drafter, cfg.local_files_only) / "config.json")
         return drafter_bytes_for(spec, parse_dtype(cfg.dtype))

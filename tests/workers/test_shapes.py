@@ -1,0 +1,48 @@
+"""Named shapes: the real targets' configs (checked on a meta device) and random-weight models via
+``random:<shape>`` wherever a model path is accepted, run end to end through ``workers.bench``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from workers.shapes import TARGETS, drafter_config, target_config
+
+
+def test_the_27b_hybrid_shape_has_the_published_layout():
+    from transformers import AutoModelForCausalLM
+
+    config = target_config("qwen3.6-27b")
+    assert config.layer_types.count("linear_attention") == 48 and config.layer_types.count("full_attention") == 16
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    assert 26e9 < params < 28e9, params  # "27B"
+    assert drafter_config("qwen3.6-27b")["dflash_config"]["target_layer_ids"] == [1, 16, 31, 46, 61]
+    assert drafter_config("qwen3-8b")["dflash_config"]["target_layer_ids"] == [1, 9, 17, 25, 33]
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "workers.bench", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_bench_runs_random_weight_shapes_without_checkpoints():
+    for shape in ("qwen3-mini", "qwen3.6-mini"):
+        proc = bench("--target", f"random:{shape}", "--drafter", f"random:{shape}", "--method", "ddtree",
+                     "--tree-budget", "8", "--device", "cpu", "--dtype", "float32", "--max-new-tokens", "8",
+                     "--prompt-length", "24", "--limit", "2", "--json")
+        assert proc.returncode == 0, proc.stderr
+        result = json.loads(proc.stdout)
+        assert result["status"] == "ok" and result["metrics"]["lossless_match"] == 1.0
+        assert len(result["outputs"]) == 2 and all(len(o["token_ids"]) == 8 for o in result["outputs"])
+        assert ("tree_state_bytes" in result["metrics"]) == (shape == "qwen3.6-mini")
+
+
+def test_an_unknown_shape_is_refused_by_name():
+    proc = bench("--target", "random:qwen9-1t", "--method", "ar", "--device", "cpu")
+    assert proc.returncode == 2
+    assert "unknown shape 'qwen9-1t'" in proc.stderr and "qwen3.6-27b" in proc.stderr
+    assert set(TARGETS) >= {"qwen3-8b", "qwen3.6-27b"}
