@@ -4,7 +4,7 @@
 
 A small random Qwen3.5-style hybrid (or Qwen3-Next where transformers has no qwen3_5), built from
 config on the GPU:
-1. float32 on CUDA: HybridTarget's logits against transformers' plain forward; greedy DFlash and
+1. float32 on CUDA: StaticTarget's logits against transformers' plain forward; greedy DFlash and
    DDTree against greedy AR with a random drafter (token for token);
 2. the same model split over cuda:0 and the CPU (half the layers each, lm_head and drafter on the
    CPU): tree logits equal the one-device run, so hidden states and taps cross devices correctly;
@@ -24,10 +24,11 @@ import time
 import torch
 
 from workers import ar, ddtree, dflash
+from workers.deltanet import full_state_bytes, tree_state_bytes
 from workers.dflash import DFlashParams
 from workers.drafter import DFlashDrafter, DrafterSpec
 from workers.generation import GenerationConfig
-from workers.hybrid import HybridTarget, full_state_bytes, tree_state_bytes
+from workers.static_target import StaticTarget
 from workers.tree import TreeParams, build_tree
 
 
@@ -75,7 +76,7 @@ def correctness(config, device) -> list[str]:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).eval()
     drafter = drafter_for(config, device, torch.float32)
-    target = HybridTarget(model, drafter.spec.target_layer_ids, prefill_chunk=64)
+    target = StaticTarget(model, drafter.spec.target_layer_ids, prefill_chunk=64, graphs=False)
     rows = []
     ids = torch.randint(1, config.vocab_size - 1, (1, 200), device=device)
     target.start(capacity=256, max_verify=8)
@@ -83,18 +84,22 @@ def correctness(config, device) -> list[str]:
     reference = model(ids).logits[0]
     rows.append(f"fp32 cuda: chain logits vs transformers forward, max |diff| {(chain.logits - reference).abs().max().item():.2e}"
                 f" (logit scale {reference.abs().max().item():.1f})")
-    same, runs, accepted = 0, 0, 0
+    graphed = StaticTarget(model, drafter.spec.target_layer_ids, prefill_chunk=64, graphs=True)
+    same, runs, accepted, graph_same = 0, 0, 0, 0
     for seed in range(4):
         prompt = torch.randint(1, config.vocab_size - 1, (1, 40 + 30 * seed), device=device)
         cfg = GenerationConfig(max_new_tokens=48, seed=seed)
         want = ar.generate(target, None, prompt, cfg).token_ids
+        graph_same += ar.generate(graphed, None, prompt, cfg).token_ids == want
         for engine, params in ((dflash.generate, DFlashParams()), (ddtree.generate, TreeParams(64)),
                                (ddtree.generate, TreeParams(256, branching=8))):
             out = engine(target, drafter, prompt, cfg, params)
             same += out.token_ids == want
             runs += 1
             accepted += sum(out.acceptance_lengths) - len(out.acceptance_lengths)
-    rows.append(f"fp32 cuda: greedy DFlash/DDTree == AR in {same}/{runs} runs ({accepted} drafted tokens accepted)")
+            graph_same += engine(graphed, drafter, prompt, cfg, params).token_ids == out.token_ids
+    rows.append(f"fp32 cuda: greedy DFlash/DDTree == AR in {same}/{runs} runs ({accepted} drafted tokens accepted); "
+                f"CUDA-graph runs == eager runs in {graph_same}/{runs + 4}")
 
     # split: layers 4.. and the head on the CPU; drafter beside lm_head
     split = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -105,8 +110,8 @@ def correctness(config, device) -> list[str]:
     split.model.rotary_emb.to(device)
     cpu_drafter = drafter_for(config, "cpu", torch.float32)
     cpu_drafter.load_state_dict(drafter.state_dict())
-    two = HybridTarget(split, drafter.spec.target_layer_ids, tap_device=torch.device("cpu"))
-    one = HybridTarget(model, drafter.spec.target_layer_ids)
+    two = StaticTarget(split, drafter.spec.target_layer_ids, tap_device=torch.device("cpu"))
+    one = StaticTarget(model, drafter.spec.target_layer_ids, graphs=False)
     tree = build_tree(torch.log_softmax(torch.randn(15, config.vocab_size) * 3, dim=-1), TreeParams(48))
     outs = []
     for runner in (one, two):
@@ -132,12 +137,14 @@ def costs(config, device, context: int, reps: int) -> list[str]:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device).eval()
     sync = torch.cuda.synchronize
-    target = HybridTarget(model, prefill_chunk=256)
+    target = StaticTarget(model, prefill_chunk=256, graphs=False)
+    graphed = StaticTarget(model, prefill_chunk=256, graphs=True)
     prompt = torch.randint(1, config.vocab_size - 1, (1, context), device=device)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     rows = [f"bf16 model: {weights / 2**30:.2f} GiB weights, {len(target.linear_ids)} GDN + {len(target.attention_ids)} "
             f"attention layers; prompt {context} tokens"]
-    rows.append(f"{'q':>5} {'verify ms':>10} {'commit ms':>10} {'peak extra MiB':>15} {'tree_state MiB':>15} {'full-state MiB':>15}")
+    rows.append(f"{'q':>5} {'verify ms':>10} {'graph ms':>9} {'commit ms':>10} {'peak extra MiB':>15} {'tree_state MiB':>15} "
+                f"{'full-state MiB':>15}")
     for q in (1, 2, 4, 8, 16, 32, 64, 128, 256):
         target.start(capacity=context + 300, max_verify=q)
         target.prefill(prompt)
@@ -153,6 +160,12 @@ def costs(config, device, context: int, reps: int) -> list[str]:
             tree = tree.to(device)
             verify = lambda: target.verify_tree(prompt[0, 0], tree)  # noqa: E731
         verify_ms = timed(verify, reps, sync)
+        graphed.start(capacity=context + 300, max_verify=q)
+        graphed.prefill(prompt)
+        if q == 1:
+            graph_ms = timed(lambda: graphed.verify_chain(prompt[0, :1]), reps, sync)
+        else:
+            graph_ms = timed(lambda: graphed.verify_tree(prompt[0, 0], tree), reps, sync)
         sync()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
@@ -162,7 +175,7 @@ def costs(config, device, context: int, reps: int) -> list[str]:
         target.commit(torch.tensor(kept))
         sync()
         commit_ms = (time.perf_counter() - begin) * 1e3
-        rows.append(f"{q:>5} {verify_ms:>10.2f} {commit_ms:>10.2f} {peak / 2**20:>15.1f} "
+        rows.append(f"{q:>5} {verify_ms:>10.2f} {graph_ms:>9.2f} {commit_ms:>10.2f} {peak / 2**20:>15.1f} "
                     f"{tree_state_bytes(config, q) / 2**20:>15.2f} {full_state_bytes(config, q) / 2**20:>15.1f}")
 
     from transformers import DynamicCache
@@ -184,7 +197,7 @@ def costs(config, device, context: int, reps: int) -> list[str]:
         target.prefill(prompt)
 
     rows.append(f"transformers forward: prompt {timed(hf_prefill, reps, sync):.1f} ms, one decode token "
-                f"{timed(hf_decode, reps, sync):.2f} ms;  HybridTarget prefill {timed(our_prefill, reps, sync):.1f} ms")
+                f"{timed(hf_decode, reps, sync):.2f} ms;  StaticTarget prefill {timed(our_prefill, reps, sync):.1f} ms")
     return rows
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from workers.hybrid import TRANSIENT_BYTES, full_state_bytes, tree_state_bytes
+from workers.deltanet import TRANSIENT_BYTES, full_state_bytes, tree_state_bytes
 from workers.loading import parse_dtype
 from workers.shapes import target_config
 

@@ -57,6 +57,7 @@ def worker_config(config: SweepConfig) -> dict[str, Any]:
             device=config.workers.device if config.workers.device != "auto" else ("cuda" if gpus > 0 else "cpu"),
             gpus=max(gpus, 1),
             max_memory_per_gpu=config.workers.max_memory_per_gpu,
+            cuda_graphs=config.workers.cuda_graphs,
             attn_implementation=config.target.attn_implementation,
             memory_interval_ms=config.memory_trace.interval_ms,
             chat_template=config.prompts.chat_template,

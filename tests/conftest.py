@@ -32,7 +32,7 @@ class TinyModels:
     drafter_dir: Path
     model: torch.nn.Module
     drafter: DFlashDrafter
-    target: object  # AttentionTarget or HybridTarget
+    target: object  # a StaticTarget (workers.target.make_target)
 
 
 def _load(shape: TinyShape, folder: Path) -> TinyModels:

@@ -25,6 +25,8 @@ Everything runs in float32 like the reference kernels; inputs may be in any dtyp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -130,3 +132,45 @@ def state_after(
     repeat = deltas.shape[0] // keys.shape[0]
     path_keys = keys[:, path].repeat_interleave(repeat, dim=0) * weights[:, :, None]  # [H, p, dk]
     return last.exp()[:, :, None] * state.float() + path_keys.transpose(1, 2) @ deltas[:, path]
+
+
+# -- what a verify pass keeps until the commit ---------------------------------------------------------
+TRANSIENT_BYTES = 256 * 2**20  # cap on one layer's transient [heads, q, q] float32 matrices
+
+
+def head_group_for(nodes: int) -> int:
+    """Heads per group so the ~4 live [group, q, q] float32 matrices of ``tree_delta_rule`` stay under the cap."""
+    return max(1, TRANSIENT_BYTES // (nodes * nodes * 4 * 4))
+
+@dataclass
+class PendingLayer:
+    """What one linear layer keeps from a verify pass until the commit (the replay's inputs)."""
+
+    extended: torch.Tensor  # [window+q, C] committed conv window, then each node's conv input (model dtype)
+    lag_index: torch.Tensor  # [q, window+1] rows of ``extended`` each node's conv reads
+    log_gate: torch.Tensor  # [q, H] float32 per-node log decay g
+    beta: torch.Tensor  # [q, H] per-node beta (model dtype)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.extended, self.lag_index, self.log_gate, self.beta))
+
+
+def tree_state_bytes(config, nodes: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes a verify pass of ``nodes`` tokens keeps until the commit: every linear layer's
+    ``PendingLayer``. Transient [heads, q, q] score matrices are capped separately
+    (``TRANSIENT_BYTES`` per layer) and freed layer by layer."""
+    cfg = getattr(config, "text_config", None) or config
+    layers = sum(kind == "linear_attention" for kind in cfg.layer_types)
+    heads, key_heads = cfg.linear_num_value_heads, cfg.linear_num_key_heads
+    window = cfg.linear_conv_kernel_dim - 1
+    conv_dim = 2 * key_heads * cfg.linear_key_head_dim + heads * cfg.linear_value_head_dim
+    element = torch.empty((), dtype=dtype).element_size()
+    per_layer = element * (window + nodes) * conv_dim + 8 * nodes * (window + 1) + (4 + element) * nodes * heads
+    return layers * per_layer
+
+
+def full_state_bytes(config, nodes: int) -> int:
+    """What keeping a float32 recurrent state per node would cost instead (the naive fork)."""
+    cfg = getattr(config, "text_config", None) or config
+    layers = sum(kind == "linear_attention" for kind in cfg.layer_types)
+    return nodes * layers * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4

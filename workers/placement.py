@@ -7,7 +7,7 @@ first long prompt:
 
 - every GPU: the CUDA context and kernel workspaces (``FIXED_BYTES``), plus the per-sequence state of
   the layers it holds (attention K/V for ``max_tokens``; Gated DeltaNet state and, for the largest
-  tree, the per-node data of ``workers.hybrid.tree_state_bytes``), spread evenly for the split;
+  tree, the per-node data of ``workers.deltanet.tree_state_bytes``), spread evenly for the split;
 - the GPU with the last layers and ``lm_head``: the DFlash drafter (it reads the target's
   ``lm_head`` and last taps there) and the verify pass's logits and activations.
 
@@ -66,7 +66,7 @@ def layer_state_bytes(config, layer_type: str, budget: RunBudget, dtype: torch.d
     cfg = text_config(config)
     element = torch.empty((), dtype=dtype).element_size()
     if layer_type == "linear_attention":
-        from workers.hybrid import tree_state_bytes
+        from workers.deltanet import tree_state_bytes
 
         layers = sum(kind == "linear_attention" for kind in cfg.layer_types)
         conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim

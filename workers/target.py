@@ -1,9 +1,10 @@
 """The target model seen by the engines: prefill, verify a chain or a tree, commit what was accepted.
 
-This is the one seam between the decoding algorithms and a model's cache. ``AttentionTarget`` covers
-attention-only models (Qwen3 / Llama style) on a transformers ``DynamicCache``; hybrid models with
-Gated DeltaNet layers run in ``workers.hybrid.HybridTarget``, which forks and rolls back their state
-behind the same methods. ``make_target`` picks the one that fits the model.
+This is the one seam between the decoding algorithms and a model's cache. ``make_target`` gives the
+runner the engines use, ``workers.static_target.StaticTarget`` (its own decoder loop on static
+buffers: Gated DeltaNet hybrids need it, and it is what CUDA graphs capture). ``AttentionTarget``,
+below, runs attention-only models (Qwen3 / Llama style) through transformers' own forward and
+``DynamicCache``: the plain reference path, kept for comparison and tests.
 
 Verify inputs (token ids, positions, the additive tree mask) live in buffers allocated once per
 generation at the largest size the run can ask for and sliced per round; with ``bucket_sizes`` the
@@ -63,14 +64,20 @@ class VerifyOutput:
     taps: torch.Tensor  # [1, q, k*H] hidden states after the tapped layers, on the drafter's device
 
 
-def make_target(model: nn.Module, tap_layer_ids: tuple[int, ...] = (), tap_device: torch.device | None = None):
-    """The runner for ``model``: ``HybridTarget`` for Gated DeltaNet hybrids, else ``AttentionTarget``."""
-    check_supported(model.config)
-    if is_hybrid(model.config):
-        from workers.hybrid import HybridTarget
+def make_target(
+    model: nn.Module,
+    tap_layer_ids: tuple[int, ...] = (),
+    tap_device: torch.device | None = None,
+    graphs: bool | None = None,
+):
+    """The runner for ``model``: ``StaticTarget`` (own decoder loop on static buffers; hybrids need
+    it), with CUDA graphs when ``graphs`` is None and the whole model sits on one CUDA device."""
+    from workers.static_target import StaticTarget
 
-        return HybridTarget(model, tap_layer_ids, tap_device)
-    return AttentionTarget(model, tap_layer_ids, tap_device)
+    check_supported(model.config)
+    devices = {p.device for p in model.parameters()}
+    one_cuda = len(devices) == 1 and next(iter(devices)).type == "cuda"
+    return StaticTarget(model, tap_layer_ids, tap_device, graphs=one_cuda if graphs is None else graphs and one_cuda)
 
 
 def bucket_for(size: int, bucket_sizes: tuple[int, ...] | None) -> int:
@@ -94,7 +101,7 @@ class AttentionTarget:
     ) -> None:
         check_supported(model.config)
         if is_hybrid(model.config):
-            raise UnsupportedModelError(f"'{model.config.model_type}' is a hybrid model: use workers.hybrid.HybridTarget")
+            raise UnsupportedModelError(f"'{model.config.model_type}' is a hybrid model: use workers.static_target.StaticTarget")
         self.model = model
         self.tap_layer_ids = tuple(tap_layer_ids)
         self.tap_device = tap_device

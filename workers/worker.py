@@ -55,6 +55,7 @@ class WorkerConfig:
     memory_interval_ms: float = 50.0
     chat_template: bool = True  # False: raw prompt text (no chat template)
     enable_thinking: bool = False  # only for targets whose template has the switch
+    cuda_graphs: bool = True  # replay verify passes as CUDA graphs (a whole target on one GPU); False to debug
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ class Worker:
         self.config = config
         self.model = None
         self.drafter: DFlashDrafter | None = None
-        self.target = None  # AttentionTarget or HybridTarget (workers.target.make_target)
+        self.target = None  # a StaticTarget (workers.target.make_target)
         self.tokenizer = None
         self._baselines: dict[str, list[GenerationOutput]] = {}
         self._state_bytes: int | None = None  # peak tree_state_bytes of the last _generate_all (hybrids)
@@ -129,7 +130,8 @@ class Worker:
         if cfg.drafter is not None:
             self.drafter = load_drafter(cfg.drafter, self.model, local_files_only=cfg.local_files_only)
             taps = self.drafter.spec.target_layer_ids
-        self.target = make_target(self.model, taps, tap_device=self.drafter.fc.weight.device if self.drafter else None)
+        tap_device = self.drafter.fc.weight.device if self.drafter else None
+        self.target = make_target(self.model, taps, tap_device, graphs=None if cfg.cuda_graphs else False)
         return self
 
     def _drafter_bytes(self) -> int:
@@ -230,7 +232,7 @@ class Worker:
             kwargs = {"timer": timer} if timer else {}
             outputs.append(generate(self.target, drafter, prompt_ids, prompt_gen, params, **kwargs))
             state_bytes = max(state_bytes, getattr(self.target, "peak_state_bytes", 0))
-        self._state_bytes = state_bytes if hasattr(self.target, "peak_state_bytes") else None
+        self._state_bytes = state_bytes if getattr(self.target, "linear_ids", ()) else None
         return outputs
 
     def _baseline(self, spec: TrialSpec, prompts: list[torch.Tensor], gen: GenerationConfig) -> list[GenerationOutput]:

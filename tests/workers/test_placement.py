@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from workers.deltanet import tree_state_bytes
 from workers.errors import BadInputError
-from workers.hybrid import tree_state_bytes
 from workers.placement import FIXED_BYTES, GiB, RunBudget, drafter_bytes_for, layer_state_bytes, plan_split
 from workers.shapes import drafter_config, target_config
 

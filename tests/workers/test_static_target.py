@@ -1,4 +1,4 @@
-"""HybridTarget against transformers' own forward: every verified node, after every commit.
+"""StaticTarget against transformers' own forward: every verified node, after every commit.
 
 transformers runs a hybrid model correctly on a plain sequence; it is the reference here (float32;
 the tolerance covers summation-order noise through these large random weights, ~1e-4 on logits of
@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from workers import ar, ddtree
+from workers.deltanet import full_state_bytes, tree_state_bytes
 from workers.generation import GenerationConfig
-from workers.hybrid import HybridTarget, full_state_bytes, tree_state_bytes
+from workers.static_target import StaticTarget
 from workers.tree import TreeParams, build_tree
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -49,7 +50,7 @@ def test_chunked_prefill_and_chain_match_the_plain_forward(request, name, chunk)
     tiny = request.getfixturevalue(name)
     vocab = tiny.shape.vocab_size
     prompt, more = random_ids(vocab, 13, chunk), random_ids(vocab, 5, chunk + 1)
-    target = HybridTarget(tiny.model, prefill_chunk=chunk)
+    target = StaticTarget(tiny.model, prefill_chunk=chunk)
     target.start(capacity=64, max_verify=8)
     with torch.no_grad():
         first = target.prefill(torch.tensor([prompt]))
@@ -67,7 +68,7 @@ def test_every_tree_node_sees_only_its_own_path_and_any_path_commits(request, na
     vocab = tiny.shape.vocab_size
     prompt, root = random_ids(vocab, 6 + seed, seed), 1 + seed % (vocab - 1)
     tree = random_tree(vocab, budget=6 + 5 * seed, depth=4, seed=seed)
-    target = HybridTarget(tiny.model, tap_layer_ids=tiny.drafter.spec.target_layer_ids)
+    target = StaticTarget(tiny.model, tap_layer_ids=tiny.drafter.spec.target_layer_ids)
     target.start(capacity=128, max_verify=64)
     with torch.no_grad():
         target.prefill(torch.tensor([prompt]))
@@ -99,7 +100,7 @@ def test_taps_are_the_tapped_layers_hidden_states(request, name):
     tiny = request.getfixturevalue(name)
     taps = tiny.drafter.spec.target_layer_ids
     ids = random_ids(tiny.shape.vocab_size, 11, 5)
-    target = HybridTarget(tiny.model, tap_layer_ids=taps, prefill_chunk=4)
+    target = StaticTarget(tiny.model, tap_layer_ids=taps, prefill_chunk=4)
     target.start(capacity=32, max_verify=4)
     with torch.no_grad():
         got = target.prefill(torch.tensor([ids])).taps
@@ -122,7 +123,7 @@ def test_ar_equals_transformers_generate(request, name):
 def test_tree_state_bytes_are_per_node_vectors_not_states(tiny_next):
     """The extra bytes of a pass grow linearly in the node count, far below one state per node."""
     model = tiny_next.model
-    target = HybridTarget(model)
+    target = StaticTarget(model)
     target.start(capacity=256, max_verify=128)
     sizes = {}
     with torch.no_grad():
@@ -142,7 +143,7 @@ def test_worker_trial_on_a_hybrid_target_reports_tree_state_bytes(tiny_hybrid):
 
     worker = Worker(WorkerConfig(target=str(tiny_hybrid.target_dir), drafter=str(tiny_hybrid.drafter_dir),
                                  device="cpu", dtype="float32", local_files_only=True)).load()
-    assert type(worker.target).__name__ == "HybridTarget"
+    assert type(worker.target).__name__ == "StaticTarget"
     prompts = tuple(Prompt(input_ids=tuple(random_ids(6, 9, s))) for s in range(3))
     spec = TrialSpec(Method.DDTREE, prompts, tree_budget=12, max_new_tokens=16, stop_token_ids=(), warmup=False)
     result = worker.run_trial(spec)
@@ -160,7 +161,7 @@ def test_ddtree_at_temperature_runs_and_stays_in_vocab(tiny_hybrid):
 
 
 def test_negative_control_a_tree_mask_through_transformers_gets_branches_wrong(tiny_hybrid):
-    """Why HybridTarget exists: the plain forward with a 4-D tree mask leaks siblings into the
+    """Why StaticTarget exists: the plain forward with a 4-D tree mask leaks siblings into the
     recurrent state. The same node-by-node comparison as above must catch that (errors >> tolerance)."""
     model, vocab = tiny_hybrid.model, tiny_hybrid.shape.vocab_size
     prompt, root = random_ids(vocab, 6, 0), 2

@@ -1,97 +1,78 @@
-"""The target seam for hybrid models (Qwen3.5 / Qwen3.6 / Qwen3-Next): Gated DeltaNet + attention layers.
+"""The target seam on static buffers with our own decoder loop: hybrids, and CUDA graphs for every model.
 
-transformers' own forward cannot verify a tree on these models (its linear-attention layers ignore
-the 4-D mask, so siblings leak into each other's recurrent state) and its cache cannot be rolled
-back. ``HybridTarget`` therefore runs the decoder loop itself, reusing the model's own modules for
-everything that is per token (norms, projections, MLP / MoE, attention with its gate and partial
-rotary) and replacing only the token mixing of the linear layers with ``workers.deltanet``'s tree
-form, in which every node continues its parent's conv window and recurrent state.
+``StaticTarget`` runs the decoder layers itself, reusing the model's own modules for everything that
+is per token (norms, projections, MLP / MoE, attention with its gate and partial rotary) and
+replacing only the token mixing of Gated DeltaNet layers with ``workers.deltanet``'s tree form, in
+which every node continues its parent's conv window and recurrent state. transformers' own forward
+cannot do that: its linear-attention layers ignore a 4-D mask (siblings leak into each other's
+state) and its hybrid cache cannot be rolled back. For attention-only models the same loop gives
+static K/V buffers and a forward whose every tensor has a fixed address, which is what a CUDA graph
+needs.
 
 State per sequence: a preallocated K/V buffer per attention layer, and per linear layer the conv
-window [K-1, C] and recurrent state [H, dk, dv]. A verify pass changes neither; it leaves each
-node's conv input, decay and beta behind (``PendingLayer``, no per-node state), and ``commit``
-replays the accepted path as a short chain from the committed state and moves the accepted K/V
-rows into place. The prompt goes through the same pass in chunks (a chain each).
+window [K-1, C] and recurrent state [H, dk, dv], all updated in place. A verify pass writes its K/V
+after the committed past and leaves each node's conv input, decay and beta (``PendingLayer``);
+``commit`` moves the accepted K/V rows into place and replays the accepted path as a short chain
+from the committed linear state. The prompt goes through the same pass in chunks (a chain each).
 
-A target split over several GPUs (accelerate ``device_map``) works unchanged: the hidden state
-moves to each layer's device, and taps are gathered onto the drafter's device.
+With ``graphs=True`` (CUDA), a verify pass of q nodes is captured once as a CUDA graph and then
+replayed: its inputs (ids, depths, parents, visibility, committed length) are copied into static
+buffers, attention reads the whole K/V buffer under a mask built on the device from the committed
+length, and the outputs are the graph's static tensors (valid until the next pass). The prompt and
+the commit run eagerly.
+
+A target split over several GPUs (accelerate ``device_map``) works unchanged in eager mode: the
+hidden state moves to each layer's device, and taps are gathered onto the drafter's device.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.deltanet import conv_lag_index, state_after, tree_conv, tree_delta_rule, window_after
+from workers.deltanet import (
+    PendingLayer,
+    conv_lag_index,
+    head_group_for,
+    state_after,
+    tree_conv,
+    tree_delta_rule,
+    window_after,
+)
+from workers.errors import UnsupportedModelError
 from workers.target import VerifyOutput, check_supported, text_config
 from workers.tree import DraftTree
-
-TRANSIENT_BYTES = 256 * 2**20  # cap on one layer's [heads, q, q] score matrices (they are freed per layer)
-
-
-@dataclass
-class PendingLayer:
-    """What one linear layer keeps from a verify pass until the commit (the replay's inputs)."""
-
-    extended: torch.Tensor  # [window+q, C] committed conv window, then each node's conv input (model dtype)
-    lag_index: torch.Tensor  # [q, window+1] rows of ``extended`` each node's conv reads
-    log_gate: torch.Tensor  # [q, H] float32 per-node log decay g
-    beta: torch.Tensor  # [q, H] per-node beta (model dtype)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.extended, self.lag_index, self.log_gate, self.beta))
-
-
-def tree_state_bytes(config, nodes: int, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Bytes a verify pass of ``nodes`` tokens keeps until the commit: every linear layer's
-    ``PendingLayer``. Transient [heads, q, q] score matrices are capped separately
-    (``TRANSIENT_BYTES`` per layer) and freed layer by layer."""
-    cfg = text_config(config)
-    layers = sum(kind == "linear_attention" for kind in cfg.layer_types)
-    heads, key_heads = cfg.linear_num_value_heads, cfg.linear_num_key_heads
-    window = cfg.linear_conv_kernel_dim - 1
-    conv_dim = 2 * key_heads * cfg.linear_key_head_dim + heads * cfg.linear_value_head_dim
-    element = torch.empty((), dtype=dtype).element_size()
-    per_layer = element * (window + nodes) * conv_dim + 8 * nodes * (window + 1) + (4 + element) * nodes * heads
-    return layers * per_layer
-
-
-def full_state_bytes(config, nodes: int) -> int:
-    """What keeping a float32 recurrent state per node would cost instead (the naive fork)."""
-    cfg = text_config(config)
-    layers = sum(kind == "linear_attention" for kind in cfg.layer_types)
-    return nodes * layers * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
 
 
 class _KVBuffers:
     """A duck-typed transformers cache for the attention layers: static [1, kv_heads, capacity, D] buffers.
 
-    ``update`` writes the pass's K/V at the slots after the committed ``length`` and returns the
-    committed past plus them, which is what the attention module attends over.
+    ``update`` writes the pass's K/V at ``slots`` (device indices after the committed past) and
+    returns the first ``attend`` slots, which the attention module reads under the pass's mask.
     """
 
     def __init__(self) -> None:
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
-        self.length = 0
+        self.slots: torch.Tensor | None = None
+        self.attend = 0
 
     def allocate(self, layer_id: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         self.keys[layer_id] = torch.zeros(shape, dtype=dtype, device=device)
         self.values[layer_id] = torch.zeros(shape, dtype=dtype, device=device)
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
-        end = self.length + keys.shape[2]
-        self.keys[layer_idx][:, :, self.length : end] = keys
-        self.values[layer_idx][:, :, self.length : end] = values
-        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+        slots = self.slots.to(keys.device)
+        self.keys[layer_idx].index_copy_(2, slots, keys)
+        self.values[layer_idx].index_copy_(2, slots, values)
+        return self.keys[layer_idx][:, :, : self.attend], self.values[layer_idx][:, :, : self.attend]
 
 
-class HybridTarget:
-    """A hybrid causal LM (linear-attention + attention layers) plus its state for one sequence."""
+class StaticTarget:
+    """A causal LM (attention-only or hybrid) plus its static state for one sequence (batch 1)."""
 
     def __init__(
         self,
@@ -99,6 +80,7 @@ class HybridTarget:
         tap_layer_ids: tuple[int, ...] = (),
         tap_device: torch.device | None = None,
         prefill_chunk: int = 256,
+        graphs: bool = False,
     ) -> None:
         check_supported(model.config)
         self.model = model
@@ -106,7 +88,7 @@ class HybridTarget:
         base = getattr(model, "model", model)
         self.embed, self.layers, self.norm, self.rotary = base.embed_tokens, base.layers, base.norm, base.rotary_emb
         self.lm_head = model.get_output_embeddings()
-        self.layer_types = tuple(self.config.layer_types)
+        self.layer_types = tuple(getattr(self.config, "layer_types", None) or ["full_attention"] * len(self.layers))
         self.linear_ids = tuple(i for i, kind in enumerate(self.layer_types) if kind == "linear_attention")
         self.attention_ids = tuple(i for i, kind in enumerate(self.layer_types) if kind == "full_attention")
         self.layer_devices = [next(layer.parameters()).device for layer in self.layers]
@@ -115,18 +97,42 @@ class HybridTarget:
         self.prefill_chunk = prefill_chunk
         self.device = self.embed.weight.device
         self.dtype = self.embed.weight.dtype
+        devices = {*self.layer_devices, self.device, self.lm_head.weight.device}
+        if graphs and (self.device.type != "cuda" or len(devices) > 1):
+            raise UnsupportedModelError("CUDA graphs need the whole target on one CUDA device")
+        self.graphs = graphs
         if self.attention_ids:  # transformers renamed the attention modules' ``past_key_values`` to ``cache``
             params = inspect.signature(self.layers[self.attention_ids[0]].self_attn.forward).parameters
             self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.length = 0
+        self.capacity = 0
         self.state_bytes = 0  # extra bytes the last verify pass held for the tree (see PendingLayer)
         self.peak_state_bytes = 0
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self, capacity: int, max_verify: int) -> None:
-        """Fresh (zero) state and K/V buffers for one sequence of at most ``capacity`` tokens."""
-        cfg = self.config
+        """Zero state for one sequence of at most ``capacity`` tokens (buffers reused when they fit)."""
         self.length, self.peak_state_bytes, self.state_bytes = 0, 0, 0
+        if capacity + max_verify > self.capacity or max_verify > self._max_verify_allocated():
+            self._allocate(capacity, max_verify)
+        for i in self.linear_ids:
+            self.states[i].zero_()
+            self.conv_windows[i].zero_()
+        self.pending: dict[int, PendingLayer] = {}
+
+    def close(self) -> None:
+        self.pending = {}
+
+    def _max_verify_allocated(self) -> int:
+        return self._ids.shape[0] if self.capacity else 0
+
+    def _allocate(self, capacity: int, max_verify: int) -> None:
+        """Buffers at fixed addresses for the whole run (captured graphs read them), sized once."""
+        cfg, device = self.config, self.device
+        # a verify pass writes its K/V after at most ``capacity`` committed tokens; rounding up keeps
+        # later, slightly longer prompts from reallocating (and re-capturing every graph)
+        capacity = -(-(capacity + max_verify) // 1024) * 1024
+        self.capacity = capacity
         self.kv = _KVBuffers()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         for i in self.attention_ids:
@@ -139,10 +145,14 @@ class HybridTarget:
             self.conv_windows[i] = torch.zeros(window, mixer.conv_dim, dtype=self.dtype, device=self.layer_devices[i])
             shape = (mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim)
             self.states[i] = torch.zeros(shape, dtype=torch.float32, device=self.layer_devices[i])
-        self.pending: dict[int, PendingLayer] = {}
-
-    def close(self) -> None:
-        self.pending = {}
+        # the verify pass's inputs: sliced to q nodes in eager mode, read whole by a graph of width q
+        self._ids = torch.zeros(max_verify, dtype=torch.long, device=device)
+        self._depths = torch.zeros(max_verify, dtype=torch.long, device=device)
+        self._parents = torch.zeros(max_verify, dtype=torch.long, device=device)
+        self._visible = torch.zeros(max_verify, max_verify, dtype=torch.bool, device=device)
+        self._length = torch.zeros((), dtype=torch.long, device=device)
+        self._columns = torch.arange(capacity, device=device)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, VerifyOutput, dict, int]] = {}
 
     # -- forwards ----------------------------------------------------------------------------------
     def prefill(self, input_ids: torch.Tensor) -> VerifyOutput:
@@ -150,25 +160,26 @@ class HybridTarget:
         taps, logits = [], None
         for begin in range(0, input_ids.shape[1], self.prefill_chunk):
             chunk = input_ids[0, begin : begin + self.prefill_chunk].to(self.device)
-            out = self.verify_chain(chunk, last_only=True)
-            self.commit(torch.arange(chunk.shape[0]))
+            q = chunk.shape[0]
+            parents, visible = _chain(q, self.device)
+            out = self._forward(chunk, torch.arange(q, device=self.device), parents, visible, last_only=True)
+            self.commit(torch.arange(q))
             taps.append(out.taps)
             logits = out.logits
         self.peak_state_bytes = 0  # the metric is about verify rounds, not the prompt
         return VerifyOutput(logits=logits, taps=torch.cat(taps, dim=1) if self.tap_layer_ids else torch.empty(0))
 
-    def verify_chain(self, tokens: torch.Tensor, last_only: bool = False) -> VerifyOutput:
+    def verify_chain(self, tokens: torch.Tensor) -> VerifyOutput:
         """tokens [q] = [bonus, draft...] at positions length..length+q-1, each after the one before."""
         q = tokens.shape[0]
         parents, visible = _chain(q, self.device)
-        depths = torch.arange(q, device=self.device)
-        return self._forward(tokens.to(self.device), depths, parents, visible, last_only)
+        return self._verify(tokens.to(self.device), torch.arange(q, device=self.device), parents, visible)
 
     def verify_tree(self, root_token: torch.Tensor, tree: DraftTree) -> VerifyOutput:
         """[root, nodes...] in one pass; every node sees (and continues the state of) its own ancestry."""
         ids = torch.cat((root_token.view(1).to(self.device), tree.tokens.to(self.device)))
         depths = torch.cat((torch.zeros(1, dtype=torch.long, device=self.device), tree.depths.to(self.device)))
-        return self._forward(ids, depths, tree.parents.to(self.device), tree.visibility.to(self.device), False)
+        return self._verify(ids, depths, tree.parents.to(self.device), tree.visibility.to(self.device))
 
     # -- commit ------------------------------------------------------------------------------------
     def commit(self, kept: torch.Tensor) -> None:
@@ -187,24 +198,64 @@ class HybridTarget:
                 i, mixer, pending.extended[window + path], pending.log_gate[path], pending.beta[path],
                 conv_lag_index(parents, window), visible, head_group=None,
             )
-            self.states[i] = state_after(self.states[i], keys, deltas, G, torch.arange(count, device=path.device))
-            self.conv_windows[i] = window_after(pending.extended, pending.lag_index, path[-1]).to(self.dtype)
+            new_state = state_after(self.states[i], keys, deltas, G, torch.arange(count, device=path.device))
+            new_window = window_after(pending.extended, pending.lag_index, path[-1])
+            self.states[i].copy_(new_state)  # in place: captured graphs read these tensors
+            self.conv_windows[i].copy_(new_window)
         self.pending = {}
         self.length = past + count
 
     # -- internals ---------------------------------------------------------------------------------
-    def _forward(self, ids, depths, parents, visible, last_only: bool) -> VerifyOutput:
-        q, past = ids.shape[0], self.length
-        self.kv.length = past
+    def _verify(self, ids, depths, parents, visible) -> VerifyOutput:
+        if not self.graphs:
+            return self._forward(ids, depths, parents, visible, last_only=False)
+        q = ids.shape[0]
+        self._ids[:q].copy_(ids)
+        self._depths[:q].copy_(depths)
+        self._parents[:q].copy_(parents)
+        self._visible[:q, :q].copy_(visible)
+        self._length.fill_(self.length)
+        if q not in self._graphs:
+            self._graphs[q] = self._capture(q)
+        graph, out, pending, state_bytes = self._graphs[q]
+        graph.replay()
+        self.pending, self.state_bytes = dict(pending), state_bytes
+        self.peak_state_bytes = max(self.peak_state_bytes, state_bytes)
+        return out
+
+    def _capture(self, q: int):
+        """Record the width-q pass reading the static inputs (after two warm-up runs on a side stream)."""
+        static = (self._ids[:q], self._depths[:q], self._parents[:q], self._visible[:q, :q])
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-ups write K/V only after the committed past, which is free space
+                self._forward(*static, last_only=False, attend=self.capacity)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._forward(*static, last_only=False, attend=self.capacity)
+        return graph, out, dict(self.pending), self.state_bytes
+
+    def _forward(self, ids, depths, parents, visible, last_only: bool, attend: int | None = None) -> VerifyOutput:
+        """One pass over q nodes after the committed past. ``attend`` = K/V slots read (graphs: all)."""
+        q = ids.shape[0]
+        if attend is None:  # eager: the committed length is known on the host
+            self._length.fill_(self.length)
+            # on CUDA read the whole buffer like a graph does (same kernels, so graph == eager bit for
+            # bit); on the CPU only the committed past and this pass
+            attend = self.capacity if self.device.type == "cuda" else self.length + q
+        length = self._length
+        self.kv.slots = length + self._columns[:q]
+        self.kv.attend = attend
         hidden = self.embed(ids).unsqueeze(0)  # [1, q, H]
-        positions = (past + depths).unsqueeze(0)
+        positions = (length + depths).unsqueeze(0)
         if hasattr(self.rotary, "mrope_section"):  # Qwen3.5's multimodal rotary: text uses one position thrice
             positions = positions.unsqueeze(0).expand(3, 1, q)
         cos, sin = self.rotary(hidden, positions)
-        mask = torch.zeros((1, 1, q, past + q), dtype=self.dtype, device=self.device)
-        mask[0, 0, :, past:].masked_fill_(~visible, torch.finfo(self.dtype).min)
+        mask = self._attention_mask(length, visible, attend)
         per_device = _PerDevice(cos=cos, sin=sin, mask=mask, parents=parents, visible=visible)
-        head_group = max(1, TRANSIENT_BYTES // (q * q * 4 * 4))
+        head_group = head_group_for(q)
 
         captured: dict[int, torch.Tensor] = {}
         self.state_bytes = 0
@@ -230,6 +281,17 @@ class HybridTarget:
         logits = self.lm_head(hidden.to(self.lm_head.weight.device))[0]
         self.peak_state_bytes = max(self.peak_state_bytes, self.state_bytes)
         return VerifyOutput(logits=logits, taps=self._taps(captured))
+
+    def _attention_mask(self, length: torch.Tensor, visible: torch.Tensor, attend: int) -> torch.Tensor:
+        """Additive [1, 1, q, attend]: the committed past, then the pass's own block by ``visible``."""
+        q = visible.shape[0]
+        columns = self._columns[:attend]
+        relative = columns - length  # column's index inside the pass's block
+        in_block = (relative >= 0) & (relative < q)
+        block = visible[:, relative.clamp(0, q - 1)] & in_block  # [q, attend]
+        allowed = (columns < length) | block
+        mask = torch.full((q, attend), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(allowed, 0.0)[None, None]
 
     def _linear_attention(self, i, mixer, hidden, parents, visible, head_group) -> torch.Tensor:
         """One Gated DeltaNet layer over the pass's nodes: [1, q, H] -> [1, q, H]."""

@@ -1,0 +1,152 @@
+"""Target forwards against the memory-bandwidth floor, with and without CUDA graphs (issue 5's table).
+
+    python benchmarks/gpu_speed.py [--shape qwen3-8b] [--context 1024] [--reps 10]
+
+Random weights of a named shape (``workers.shapes``) in bf16 on one GPU, with its DFlash-shaped
+drafter (5 layers, block 16). Prints, last, one table:
+- the floor: weight bytes / measured copy bandwidth (a large device-to-device copy);
+- target verify time for q = 1..512 nodes (chain and tree masks): transformers' own forward on a
+  DynamicCache (``AttentionTarget``), our loop eagerly, and our loop replaying a CUDA graph;
+- the drafter's forward (one block) and the host-side tree work per round for B = 16..1024;
+- full rounds: AR decode step, DFlash round, DDTree rounds, eager vs graphs;
+- checks: graph outputs equal eager outputs (greedy tokens, every method).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from workers import ar, ddtree, dflash
+from workers.dflash import DFlashParams, draft_block
+from workers.generation import GenerationConfig
+from workers.shapes import build_random_drafter, build_random_target
+from workers.static_target import StaticTarget
+from workers.target import AttentionTarget
+from workers.tree import TreeParams, build_tree, follow_tree
+
+QS = (1, 16, 64, 128, 256, 512)
+BUDGETS = (16, 64, 256, 1024)
+
+
+def median_ms(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        begin = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(samples)
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second moved by a 4 GiB device-to-device copy (read + write counted)."""
+    source = torch.empty(2**31, dtype=torch.int16, device="cuda")
+    target = torch.empty_like(source)
+    ms = median_ms(lambda: target.copy_(source), 10)
+    return 2 * source.numel() * 2 / (ms / 1e3)
+
+
+def random_tree(vocab: int, nodes: int, depth: int = 15):
+    log_probs = torch.log_softmax(torch.randn(depth, vocab) * 4, dim=-1)
+    return build_tree(log_probs, TreeParams(nodes - 1, max_depth=depth))
+
+
+@torch.inference_mode()
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen3-8b")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    lines: list[str] = []
+
+    bandwidth = copy_bandwidth()
+    model = build_random_target(args.shape, torch.bfloat16, device)
+    drafter = build_random_drafter(args.shape, model)
+    vocab = model.config.vocab_size
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    floor_ms = weight_bytes / bandwidth * 1e3
+    lines.append(f"{args.shape}: {weight_bytes / 1e9:.1f} GB bf16 weights; copy bandwidth {bandwidth / 1e12:.2f} TB/s "
+                 f"-> floor {floor_ms:.2f} ms per forward; context {args.context}")
+    prompt = torch.randint(1, vocab - 1, (1, args.context), device=device)
+    taps = drafter.spec.target_layer_ids
+
+    # --- target verify time per q ------------------------------------------------------------------
+    eager = StaticTarget(model, taps, graphs=False)
+    graphed = StaticTarget(model, taps, graphs=True)
+    plain = AttentionTarget(model, taps)
+    lines.append(f"{'q':>5} {'mask':>5} {'plain ms':>9} {'eager ms':>9} {'graph ms':>9} {'graph/floor':>11}")
+    for q in QS:
+        tree = random_tree(vocab, q).to(device) if q > 1 else None
+        for mask in ("chain", "tree") if q > 1 else ("chain",):
+            row = []
+            for runner in (plain, eager, graphed):
+                runner.start(capacity=args.context + 600, max_verify=max(QS))
+                runner.prefill(prompt)
+                if mask == "chain":
+                    tokens = prompt[0, :q]
+                    call = lambda r=runner, t=tokens: r.verify_chain(t)  # noqa: E731
+                else:
+                    call = lambda r=runner, t=tree: r.verify_tree(prompt[0, 0], t)  # noqa: E731
+                if runner is plain:  # its DynamicCache grows per pass: commit one token to keep it bounded
+                    step = lambda c=call, r=runner: (c(), r.commit(torch.zeros(1, dtype=torch.long)))  # noqa: E731
+                    row.append(median_ms(step, min(args.reps, 5)))
+                else:
+                    row.append(median_ms(call, args.reps))
+            lines.append(f"{q:>5} {mask:>5} {row[0]:>9.2f} {row[1]:>9.2f} {row[2]:>9.2f} {row[2] / floor_ms:>10.2f}x")
+
+    # --- drafter and the host-side tree work ----------------------------------------------------------
+    graphed.start(capacity=args.context + 600, max_verify=1025)
+    opening = graphed.prefill(prompt)
+    cache = drafter.new_cache(args.context + 600)
+    bonus = prompt[0, -1:].clone()
+    context = opening.taps
+    draft_ms = median_ms(lambda: draft_block(drafter, graphed, cache, bonus, context[:, -1:], 15), args.reps)
+    lines.append(f"drafter forward (block {drafter.block_size}) + lm_head on 15 rows: {draft_ms:.2f} ms (eager)")
+    lines.append(f"{'B':>5} {'build ms':>9} {'to-dev ms':>10} {'walk ms':>8} {'commit ms':>10}")
+    draft_logits = torch.randn(15, vocab, device=device)
+    for budget in BUDGETS:
+        build = median_ms(lambda b=budget: build_tree(torch.log_softmax(draft_logits.float(), -1), TreeParams(b)), 5)
+        tree = build_tree(torch.log_softmax(draft_logits.float(), -1), TreeParams(budget))
+        move = median_ms(lambda t=tree: t.to(device), 5)
+        on_device = tree.to(device)
+        choices = torch.randint(0, vocab, (budget + 1,), device=device)
+        walk = median_ms(lambda t=on_device: follow_tree(t.tokens, t.parents, t.visibility, choices)[0].cpu(), 5)
+        graphed.start(capacity=args.context + 1100, max_verify=budget + 1)
+        graphed.prefill(prompt[:, :128])
+        graphed.verify_tree(prompt[0, 0], on_device)
+        path = follow_tree(on_device.tokens, on_device.parents, on_device.visibility, on_device.tokens.new_zeros(budget + 1))[0].cpu()
+        begin = time.perf_counter()
+        graphed.commit(path)
+        torch.cuda.synchronize()
+        commit = (time.perf_counter() - begin) * 1e3
+        lines.append(f"{budget:>5} {build:>9.2f} {move:>10.2f} {walk:>8.2f} {commit:>10.2f}")
+
+    # --- whole rounds, and graph == eager -------------------------------------------------------------
+    lines.append(f"{'method':>18} {'eager ms/round':>15} {'graph ms/round':>15} {'same tokens':>12}")
+    config = GenerationConfig(max_new_tokens=args.new_tokens)
+    cases = [("ar", ar.generate, None), ("dflash", dflash.generate, DFlashParams())]
+    cases += [(f"ddtree B={b}", ddtree.generate, TreeParams(b)) for b in BUDGETS]
+    for name, engine, params in cases:
+        results = []
+        for runner in (eager, graphed):
+            engine(runner, drafter if params else None, prompt, GenerationConfig(max_new_tokens=8), params)  # warm-up
+            out = engine(runner, drafter if params else None, prompt, config, params)
+            results.append(out)
+        per_round = [o.decode_s / max(o.num_rounds, 1) * 1e3 for o in results]
+        same = results[0].token_ids == results[1].token_ids
+        lines.append(f"{name:>18} {per_round[0]:>15.2f} {per_round[1]:>15.2f} {str(same):>12}")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
