@@ -28,6 +28,7 @@ hidden state moves to each layer's device, and taps are gathered onto the drafte
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -150,9 +151,12 @@ class StaticTarget:
         self._depths = torch.zeros(max_verify, dtype=torch.long, device=device)
         self._parents = torch.zeros(max_verify, dtype=torch.long, device=device)
         self._visible = torch.zeros(max_verify, max_verify, dtype=torch.bool, device=device)
+        self._kept = torch.zeros(max(max_verify, self.prefill_chunk), dtype=torch.long, device=device)
         self._length = torch.zeros((), dtype=torch.long, device=device)
         self._columns = torch.arange(capacity, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, VerifyOutput, dict, int]] = {}
+        self._commit_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._graph_width: int | None = None  # width of the last pass if it was a graph replay
 
     # -- forwards ----------------------------------------------------------------------------------
     def prefill(self, input_ids: torch.Tensor) -> VerifyOutput:
@@ -183,14 +187,39 @@ class StaticTarget:
 
     # -- commit ------------------------------------------------------------------------------------
     def commit(self, kept: torch.Tensor) -> None:
-        """Keep the verified nodes ``kept`` (root ... accepted node, a path) of the last pass."""
-        past, count = self.length, int(kept.shape[0])
+        """Keep the verified nodes ``kept`` (root ... accepted node, a path) of the last pass.
+
+        After a graph-replayed pass the commit is a graph too, one per (pass width, path length):
+        the first time it runs eagerly and is then recorded (recording executes nothing).
+        """
+        count = int(kept.shape[0])
+        self._kept[:count].copy_(kept)
+        self._length.fill_(self.length)
+        key = (self._graph_width, count)
+        if self._graph_width is None:
+            self._commit_core(count)
+        elif key in self._commit_graphs:
+            self._commit_graphs[key].replay()
+        else:
+            self._commit_core(count)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._commit_core(count)
+            self._commit_graphs[key] = graph
+        self.pending = {}
+        self.length += count
+
+    def _commit_core(self, count: int) -> None:
+        """Device-only commit of the path in ``_kept[:count]`` after ``_length`` committed tokens."""
+        length = self._length
         for i in self.attention_ids:  # accepted K/V rows move to the slots after the committed past
-            index = past + kept.to(self.layer_devices[i])
+            device = self.layer_devices[i]
+            source = (length + self._kept[:count]).to(device)
+            destination = (length + self._columns[:count]).to(device)
             for buffer in (self.kv.keys[i], self.kv.values[i]):
-                buffer[:, :, past : past + count] = buffer[:, :, index]
+                buffer.index_copy_(2, destination, buffer.index_select(2, source))
         for i in self.linear_ids:  # replay the accepted path as a chain from the committed state
-            pending, path = self.pending[i], kept.to(self.layer_devices[i])
+            pending, path = self.pending[i], self._kept[:count].to(self.layer_devices[i])
             mixer = self.layers[i].linear_attn
             window = mixer.conv_kernel_size - 1
             parents, visible = _chain(count, path.device)
@@ -202,8 +231,6 @@ class StaticTarget:
             new_window = window_after(pending.extended, pending.lag_index, path[-1])
             self.states[i].copy_(new_state)  # in place: captured graphs read these tensors
             self.conv_windows[i].copy_(new_window)
-        self.pending = {}
-        self.length = past + count
 
     # -- internals ---------------------------------------------------------------------------------
     def _verify(self, ids, depths, parents, visible) -> VerifyOutput:
@@ -216,9 +243,16 @@ class StaticTarget:
         self._visible[:q, :q].copy_(visible)
         self._length.fill_(self.length)
         if q not in self._graphs:
-            self._graphs[q] = self._capture(q)
+            try:
+                self._graphs[q] = self._capture(q)
+            except RuntimeError as exc:  # e.g. MoE routing with data-dependent shapes cannot be captured
+                warnings.warn(f"CUDA graph capture failed ({type(exc).__name__}: {str(exc)[:200]}); running eagerly",
+                              stacklevel=2)
+                self.graphs = False
+                return self._forward(ids, depths, parents, visible, last_only=False)
         graph, out, pending, state_bytes = self._graphs[q]
         graph.replay()
+        self._graph_width = q
         self.pending, self.state_bytes = dict(pending), state_bytes
         self.peak_state_bytes = max(self.peak_state_bytes, state_bytes)
         return out
@@ -240,6 +274,7 @@ class StaticTarget:
     def _forward(self, ids, depths, parents, visible, last_only: bool, attend: int | None = None) -> VerifyOutput:
         """One pass over q nodes after the committed past. ``attend`` = K/V slots read (graphs: all)."""
         q = ids.shape[0]
+        self._graph_width = None
         if attend is None:  # eager: the committed length is known on the host
             self._length.fill_(self.length)
             # on CUDA read the whole buffer like a graph does (same kernels, so graph == eager bit for
