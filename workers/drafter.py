@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
+from workers.attention import grouped_attention
 from workers.errors import CheckpointMismatchError
 
 WEIGHTS_FILE = "model.safetensors"
@@ -197,7 +197,7 @@ class DrafterAttention(nn.Module):
         k_block, v_block = self.key_value(block, cos, sin)
         k = torch.cat((context_keys, k_block), dim=2)
         v = torch.cat((context_values, v_block), dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=self.num_heads != self.num_kv_heads)  # non-causal
+        out = grouped_attention(q, k, v)  # non-causal: the block sees all context and all of itself
         return self.o_proj(out.transpose(1, 2).reshape(1, block.shape[1], -1))
 
 

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.attention import grouped_attention_in
 from workers.deltanet import (
     PendingLayer,
     conv_lag_index,
@@ -294,6 +295,17 @@ class StaticTarget:
 
         captured: dict[int, torch.Tensor] = {}
         self.state_bytes = 0
+        with grouped_attention_in(self.config):
+            hidden = self._layers(hidden, per_device, head_group, captured)
+        if last_only:
+            hidden = hidden[:, -1:]
+        hidden = self.norm(hidden.to(self.norm.weight.device))
+        logits = self.lm_head(hidden.to(self.lm_head.weight.device))[0]
+        self.peak_state_bytes = max(self.peak_state_bytes, self.state_bytes)
+        return VerifyOutput(logits=logits, taps=self._taps(captured))
+
+    def _layers(self, hidden, per_device: _PerDevice, head_group: int, captured: dict) -> torch.Tensor:
+        """The decoder layers over the pass's hidden states [1, q, H]; fills ``captured`` with taps."""
         for i, layer in enumerate(self.layers):
             on = per_device.get(self.layer_devices[i])
             hidden = hidden.to(self.layer_devices[i])
@@ -310,12 +322,7 @@ class StaticTarget:
             hidden = hidden + (mlp_out[0] if isinstance(mlp_out, tuple) else mlp_out)
             if i in self.tap_layer_ids:
                 captured[i] = hidden
-        if last_only:
-            hidden = hidden[:, -1:]
-        hidden = self.norm(hidden.to(self.norm.weight.device))
-        logits = self.lm_head(hidden.to(self.lm_head.weight.device))[0]
-        self.peak_state_bytes = max(self.peak_state_bytes, self.state_bytes)
-        return VerifyOutput(logits=logits, taps=self._taps(captured))
+        return hidden
 
     def _attention_mask(self, length: torch.Tensor, visible: torch.Tensor, attend: int) -> torch.Tensor:
         """Additive [1, 1, q, attend]: the committed past, then the pass's own block by ``visible``."""
