@@ -122,12 +122,16 @@ def main() -> int:
         walk = median_ms(lambda t=on_device: follow_tree(t.tokens, t.parents, t.visibility, choices)[0].cpu(), 5)
         graphed.start(capacity=args.context + 1100, max_verify=budget + 1)
         graphed.prefill(prompt[:, :128])
-        graphed.verify_tree(prompt[0, 0], on_device)
         path = follow_tree(on_device.tokens, on_device.parents, on_device.visibility, on_device.tokens.new_zeros(budget + 1))[0].cpu()
-        begin = time.perf_counter()
-        graphed.commit(path)
-        torch.cuda.synchronize()
-        commit = (time.perf_counter() - begin) * 1e3
+        timings = []
+        for _ in range(3):  # the first commit of a (width, length) runs eagerly and is captured; later ones replay
+            graphed.verify_tree(prompt[0, 0], on_device)
+            torch.cuda.synchronize()
+            begin = time.perf_counter()
+            graphed.commit(path)
+            torch.cuda.synchronize()
+            timings.append((time.perf_counter() - begin) * 1e3)
+        commit = timings[-1]
         lines.append(f"{budget:>5} {build:>9.2f} {move:>10.2f} {walk:>8.2f} {commit:>10.2f}")
 
     # --- whole rounds, and graph == eager -------------------------------------------------------------

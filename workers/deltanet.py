@@ -70,9 +70,10 @@ def tree_conv(
     return F.silu(out), extended
 
 
-def window_after(extended: torch.Tensor, lag_index: torch.Tensor, node: int | torch.Tensor) -> torch.Tensor:
-    """The conv window [window, C] once ``node`` is committed: its last ``window`` inputs, oldest first."""
-    rows = lag_index[node, :-1].flip(0)
+def window_after(extended: torch.Tensor, lag_index: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
+    """The conv window [window, C] once ``node`` ([1] index tensor) is committed: its last
+    ``window`` inputs, oldest first. (Indexing with a tensor, not a Python int, keeps it capturable.)"""
+    rows = lag_index.index_select(0, node.view(1))[0, :-1].flip(0)
     return extended[rows]
 
 

@@ -31,7 +31,7 @@ from torch import nn
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from workers.attention import grouped_attention
+from workers.attention import NO_CUDNN, grouped_attention
 from workers.errors import CheckpointMismatchError
 
 WEIGHTS_FILE = "model.safetensors"
@@ -197,7 +197,7 @@ class DrafterAttention(nn.Module):
         k_block, v_block = self.key_value(block, cos, sin)
         k = torch.cat((context_keys, k_block), dim=2)
         v = torch.cat((context_values, v_block), dim=2)
-        out = grouped_attention(q, k, v)  # non-causal: the block sees all context and all of itself
+        out = grouped_attention(q, k, v, backends=NO_CUDNN)  # non-causal: sees all context and all of the block
         return self.o_proj(out.transpose(1, 2).reshape(1, block.shape[1], -1))
 
 

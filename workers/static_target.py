@@ -229,7 +229,7 @@ class StaticTarget:
                 conv_lag_index(parents, window), visible, head_group=None,
             )
             new_state = state_after(self.states[i], keys, deltas, G, torch.arange(count, device=path.device))
-            new_window = window_after(pending.extended, pending.lag_index, path[-1])
+            new_window = window_after(pending.extended, pending.lag_index, path[-1:])
             self.states[i].copy_(new_state)  # in place: captured graphs read these tensors
             self.conv_windows[i].copy_(new_window)
 

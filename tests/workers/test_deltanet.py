@@ -83,7 +83,7 @@ def test_tree_conv_matches_causal_conv_per_path(seed: int) -> None:
         sequence = torch.cat((committed, inputs[path_of(parents, node)]))  # [T, C] oldest first
         reference = F.silu(F.conv1d(sequence.T[None], weight[:, None], padding=0, groups=channels))[0, :, -1]
         torch.testing.assert_close(out[node], reference, atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(window_after(extended, lags, node), sequence[-window:])
+        torch.testing.assert_close(window_after(extended, lags, torch.tensor([node])), sequence[-window:])
 
 
 def test_tree_conv_from_an_empty_window_zero_pads_like_the_first_tokens() -> None:
