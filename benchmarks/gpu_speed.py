@@ -64,6 +64,8 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--compile", action="store_true", help="also time torch.compile'd layers under graphs")
+    parser.add_argument("--only-forwards", action="store_true", help="stop after the verify table")
     args = parser.parse_args()
     device = torch.device("cuda")
     lines: list[str] = []
@@ -83,7 +85,14 @@ def main() -> int:
     eager = StaticTarget(model, taps, graphs=False)
     graphed = StaticTarget(model, taps, graphs=True)
     plain = AttentionTarget(model, taps)
-    lines.append(f"{'q':>5} {'mask':>5} {'plain ms':>9} {'eager ms':>9} {'graph ms':>9} {'graph/floor':>11}")
+    compiled = None
+    if args.compile:
+        import torch._dynamo as dynamo
+
+        dynamo.config.cache_size_limit = 64
+        compiled = StaticTarget(model, taps, graphs=True, compile_layers=True)
+    lines.append(f"{'q':>5} {'mask':>5} {'plain ms':>9} {'eager ms':>9} {'graph ms':>9} {'graph/floor':>11} "
+                 f"{'compiled+graph ms':>18}")
     for q in QS:
         tree = random_tree(vocab, q).to(device) if q > 1 else None
         for mask in ("chain", "tree") if q > 1 else ("chain",):
@@ -101,7 +110,21 @@ def main() -> int:
                     row.append(median_ms(step, min(args.reps, 5)))
                 else:
                     row.append(median_ms(call, args.reps))
-            lines.append(f"{q:>5} {mask:>5} {row[0]:>9.2f} {row[1]:>9.2f} {row[2]:>9.2f} {row[2] / floor_ms:>10.2f}x")
+            fused = "-"
+            if compiled is not None and mask == "chain" and q in (1, 16, 64, 256):
+                begin = time.perf_counter()
+                compiled.start(capacity=args.context + 600, max_verify=max(QS))
+                compiled.prefill(prompt)
+                call = lambda t=prompt[0, :q]: compiled.verify_chain(t)  # noqa: E731
+                call()
+                setup_s = time.perf_counter() - begin
+                fused = f"{median_ms(call, args.reps):.2f} (setup {setup_s:.0f}s)"
+            lines.append(f"{q:>5} {mask:>5} {row[0]:>9.2f} {row[1]:>9.2f} {row[2]:>9.2f} {row[2] / floor_ms:>10.2f}x "
+                         f"{fused:>18}")
+
+    if args.only_forwards:
+        print("\n".join(lines))
+        return 0
 
     # --- drafter and the host-side tree work ----------------------------------------------------------
     graphed.start(capacity=args.context + 600, max_verify=1025)

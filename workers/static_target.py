@@ -83,6 +83,7 @@ class StaticTarget:
         tap_device: torch.device | None = None,
         prefill_chunk: int = 256,
         graphs: bool = False,
+        compile_layers: bool = False,
     ) -> None:
         check_supported(model.config)
         self.model = model
@@ -103,6 +104,8 @@ class StaticTarget:
         if graphs and (self.device.type != "cuda" or len(devices) > 1):
             raise UnsupportedModelError("CUDA graphs need the whole target on one CUDA device")
         self.graphs = graphs
+        # experimental: torch.compile fuses the layers' small elementwise kernels (norms, rotary, gates)
+        self._run_layers = torch.compile(self._layers, dynamic=False) if compile_layers else self._layers
         if self.attention_ids:  # transformers renamed the attention modules' ``past_key_values`` to ``cache``
             params = inspect.signature(self.layers[self.attention_ids[0]].self_attn.forward).parameters
             self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -296,7 +299,7 @@ class StaticTarget:
         captured: dict[int, torch.Tensor] = {}
         self.state_bytes = 0
         with grouped_attention_in(self.config):
-            hidden = self._layers(hidden, per_device, head_group, captured)
+            hidden = self._run_layers(hidden, per_device, head_group, captured)
         if last_only:
             hidden = hidden[:, -1:]
         hidden = self.norm(hidden.to(self.norm.weight.device))
