@@ -58,6 +58,7 @@ def worker_config(config: SweepConfig) -> dict[str, Any]:
             gpus=max(gpus, 1),
             max_memory_per_gpu=config.workers.max_memory_per_gpu,
             cuda_graphs=config.workers.cuda_graphs,
+            compile_layers=config.workers.compile_layers,
             attn_implementation=config.target.attn_implementation,
             memory_interval_ms=config.memory_trace.interval_ms,
             chat_template=config.prompts.chat_template,

@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run verify passes eagerly (debugging)")
+    p.add_argument("--compile-layers", action="store_true", help="torch.compile the target's layers (GPU)")
     p.add_argument("--no-baseline", action="store_true", help="skip the AR baseline (no speedup / lossless_match)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return p
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             prompts = load_source(PromptSource(args.prompts, args.dataset, args.split, args.limit, args.sample_seed))
         config = WorkerConfig(target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device,
                               chat_template=not args.no_chat_template, enable_thinking=args.enable_thinking,
-                              cuda_graphs=not args.no_cuda_graphs)
+                              cuda_graphs=not args.no_cuda_graphs, compile_layers=args.compile_layers)
         warning = thinking_warning(args.drafter, args.enable_thinking)
         if warning:
             print(warning, file=sys.stderr)

@@ -69,6 +69,7 @@ def make_target(
     tap_layer_ids: tuple[int, ...] = (),
     tap_device: torch.device | None = None,
     graphs: bool | None = None,
+    compile_layers: bool = False,
 ):
     """The runner for ``model``: ``StaticTarget`` (own decoder loop on static buffers; hybrids need
     it), with CUDA graphs when ``graphs`` is None and the whole model sits on one CUDA device."""
@@ -77,7 +78,8 @@ def make_target(
     check_supported(model.config)
     devices = {p.device for p in model.parameters()}
     one_cuda = len(devices) == 1 and next(iter(devices)).type == "cuda"
-    return StaticTarget(model, tap_layer_ids, tap_device, graphs=one_cuda if graphs is None else graphs and one_cuda)
+    use_graphs = one_cuda if graphs is None else graphs and one_cuda
+    return StaticTarget(model, tap_layer_ids, tap_device, graphs=use_graphs, compile_layers=compile_layers)
 
 
 def bucket_for(size: int, bucket_sizes: tuple[int, ...] | None) -> int:
