@@ -20,7 +20,7 @@ from workers.generation import GenerationConfig, StageTimer, device_sync
 from workers.memory import MemoryTracer
 from workers.metrics import summarize
 from workers.prompts import Prompt
-from workers.target import AttentionTarget
+from workers.target import make_target
 from workers.tiny import write_tiny_pair
 from workers.tree import TreeParams
 from workers.worker import Method, TrialSpec, Worker, WorkerConfig
@@ -50,7 +50,7 @@ def main() -> None:
     device = torch.device("cuda")
     torch.manual_seed(0)
     model, drafter = random_pair(args.layers, args.hidden, args.vocab, device)
-    target = AttentionTarget(model, drafter.spec.target_layer_ids)
+    target = make_target(model, drafter.spec.target_layer_ids)
     prompt = torch.randint(0, args.vocab - 2, (1, args.prompt_length))
     config = GenerationConfig(args.max_new_tokens)
     print(f"target {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params bf16, prompt {args.prompt_length}")

@@ -23,7 +23,7 @@ from workers.drafter import load_drafter
 from workers.generation import GenerationConfig, StageTimer
 from workers.loading import Placement, load_target
 from workers.metrics import summarize
-from workers.target import AttentionTarget
+from workers.target import make_target
 from workers.tiny import TinyShape, write_tiny_pair
 from workers.tree import TreeParams
 
@@ -48,7 +48,7 @@ def main() -> None:
         target_dir, drafter_dir = write_tiny_pair(Path(tmp), shape)
         model = load_target(str(target_dir), dtype="float32", placement=Placement(device="cpu"))
         drafter = load_drafter(str(drafter_dir), model)
-    target = AttentionTarget(model, drafter.spec.target_layer_ids)
+    target = make_target(model, drafter.spec.target_layer_ids)
     prompts = [torch.randint(1, shape.vocab_size, (1, args.prompt_length)) for _ in range(args.prompts)]
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)
     depth = shape.block_size - 1
