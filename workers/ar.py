@@ -9,12 +9,11 @@ import torch
 
 from workers.generation import NULL_TIMER, GenerationConfig, GenerationOutput, open_generation
 from workers.sampling import sample_tokens
-from workers.target import AttentionTarget
 
 
 @torch.inference_mode()
 def generate(
-    target: AttentionTarget,
+    target,
     drafter: None,
     prompt_ids: torch.Tensor,  # [1, T]
     config: GenerationConfig,

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from workers.dflash import draft_block
+from workers.dflash import draft_block, new_draft_cache
 from workers.drafter import DFlashDrafter
 from workers.generation import NULL_TIMER, GenerationConfig, GenerationOutput, open_generation
 from workers.sampling import sample_tokens
-from workers.target import AttentionTarget
 from workers.tree import TreeParams, build_tree, follow_tree
 
 
@@ -28,7 +27,7 @@ def resolve_tree_params(params: TreeParams, block_size: int) -> TreeParams:
 
 @torch.inference_mode()
 def generate(
-    target: AttentionTarget,
+    target,
     drafter: DFlashDrafter,
     prompt_ids: torch.Tensor,  # [1, T]
     config: GenerationConfig,
@@ -39,7 +38,7 @@ def generate(
     start = open_generation(target, prompt_ids, config, max_verify=params.budget + 1)
     out, generator, bonus = start.out, start.generator, start.bonus
     new_context = start.context  # [1, T, k*H]: features of committed tokens the drafter has not seen
-    draft_cache = drafter.new_cache(start.capacity)
+    draft_cache = new_draft_cache(drafter, target, start.capacity)
 
     rounds: list[int] = []
     while not out.done:

@@ -15,7 +15,6 @@ import torch
 from workers.drafter import DFlashDrafter
 from workers.generation import NULL_TIMER, GenerationConfig, GenerationOutput, open_generation
 from workers.sampling import sample_tokens
-from workers.target import AttentionTarget
 
 
 @dataclass(frozen=True)
@@ -29,14 +28,28 @@ class DFlashParams:
         return n
 
 
+def new_draft_cache(drafter: DFlashDrafter, target, capacity: int):
+    """The drafter's context cache for one generation: with CUDA graphs (when the target replays
+    graphs) a ``DraftGraphs`` kept across generations, else a fresh ``DrafterCache``."""
+    if getattr(target, "graphs", False):
+        from workers.draft_graphs import DraftGraphs
+
+        return DraftGraphs.for_run(drafter, capacity)
+    return drafter.new_cache(capacity)
+
+
 def draft_block(
-    drafter: DFlashDrafter, target: AttentionTarget, cache, bonus: torch.Tensor, new_context: torch.Tensor, rows: int
+    drafter: DFlashDrafter, target, cache, bonus: torch.Tensor, new_context: torch.Tensor, rows: int
 ) -> torch.Tensor:
     """One drafter pass -> draft logits [rows, V] for the positions after the bonus.
 
     The block is the target's embedding of [bonus, MASK x (block_size-1)]; the whole block is always
     run (the drafter was trained on full blocks) and only the first ``rows`` predictions are used.
     """
+    if hasattr(cache, "graphs"):  # DraftGraphs: replay for a round's few new tokens, eager for the prompt
+        if new_context.shape[1] <= drafter.block_size:
+            return cache.draft(drafter, target, bonus, new_context, rows)
+        cache = cache.cache
     block_ids = torch.full((1, drafter.block_size), drafter.spec.mask_token_id, dtype=torch.long, device=bonus.device)
     block_ids[0, 0] = bonus[0]
     embed = target.model.get_input_embeddings()
@@ -48,7 +61,7 @@ def draft_block(
 
 @torch.inference_mode()
 def generate(
-    target: AttentionTarget,
+    target,
     drafter: DFlashDrafter,
     prompt_ids: torch.Tensor,  # [1, T]
     config: GenerationConfig,
@@ -59,7 +72,7 @@ def generate(
     start = open_generation(target, prompt_ids, config, max_verify=num_draft + 1)
     out, generator, bonus = start.out, start.generator, start.bonus
     new_context = start.context  # [1, T, k*H]: features of committed tokens the drafter has not seen
-    draft_cache = drafter.new_cache(start.capacity)
+    draft_cache = new_draft_cache(drafter, target, start.capacity)
 
     rounds: list[int] = []
     while not out.done:

@@ -191,13 +191,14 @@ class DrafterAttention(nn.Module):
         block_rope: tuple[torch.Tensor, torch.Tensor],
         context_keys: torch.Tensor,  # [1, kv_heads, C, D], already rotated
         context_values: torch.Tensor,
+        mask: torch.Tensor | None = None,  # additive [1, 1, b, C + b]; None: every column visible
     ) -> torch.Tensor:
         cos, sin = block_rope
         q = _rotate(self.q_norm(self._heads(self.q_proj(block), self.num_heads)).transpose(1, 2), cos, sin)
         k_block, v_block = self.key_value(block, cos, sin)
         k = torch.cat((context_keys, k_block), dim=2)
         v = torch.cat((context_values, v_block), dim=2)
-        out = grouped_attention(q, k, v, backends=NO_CUDNN)  # non-causal: sees all context and all of the block
+        out = grouped_attention(q, k, v, mask, backends=NO_CUDNN)  # non-causal: all context, all of the block
         return self.o_proj(out.transpose(1, 2).reshape(1, block.shape[1], -1))
 
 
@@ -263,6 +264,32 @@ class DFlashDrafter(nn.Module):
             hidden = hidden + attn
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         cache.length = block_start
+        return self.norm(hidden)
+
+    def forward_at(
+        self, block_embeds: torch.Tensor, new_context: torch.Tensor, cache: DrafterCache, length: torch.Tensor
+    ) -> torch.Tensor:
+        """``forward`` with the committed context length as a device scalar, for CUDA-graph capture:
+        the new context's K/V go to slots length.., and attention reads the whole cache under a mask
+        instead of a host-sized slice. Leaves ``cache.length`` to the caller."""
+        num_new, block = new_context.shape[1], block_embeds.shape[1]
+        positions = (length + torch.arange(num_new + block, device=new_context.device)).unsqueeze(0)
+        context = self.hidden_norm(self.fc(new_context))
+        ctx_rope = self.rotary_emb(context, positions[:, :num_new])
+        block_rope = self.rotary_emb(block_embeds, positions[:, num_new:])
+        columns = torch.arange(cache.capacity + block, device=new_context.device)
+        visible = (columns < length + num_new) | (columns >= cache.capacity)  # committed context, then the block
+        mask = torch.full((block, cache.capacity + block), torch.finfo(block_embeds.dtype).min,
+                          dtype=block_embeds.dtype, device=block_embeds.device)
+        mask = mask.masked_fill_(visible, 0.0)[None, None]
+        hidden = block_embeds
+        for index, layer in enumerate(self.layers):
+            keys, values = cache.keys[index], cache.values[index]
+            k_ctx, v_ctx = layer.self_attn.key_value(context, *ctx_rope)
+            keys.index_copy_(2, positions[0, :num_new], k_ctx)
+            values.index_copy_(2, positions[0, :num_new], v_ctx)
+            hidden = hidden + layer.self_attn(layer.input_layernorm(hidden), block_rope, keys, values, mask)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self.norm(hidden)
 
 

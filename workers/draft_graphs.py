@@ -1,0 +1,70 @@
+"""The drafter's pass as CUDA graphs: one per (new-context length, rows), replayed every round.
+
+A DFlash round feeds the drafter the taps of the tokens committed last round (1..block_size of
+them) plus the block [bonus, MASK...]. ``DraftGraphs`` keeps static input buffers and one drafter
+cache for the whole run (graphs hold its addresses, so it is reused across prompts), captures
+``DFlashDrafter.forward_at`` + the target's lm_head for each new-context length the first time it
+is seen, and replays it after. Longer new contexts (the prompt, once per generation) run eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.drafter import DFlashDrafter
+
+
+class DraftGraphs:
+    def __init__(self, drafter: DFlashDrafter, capacity: int) -> None:
+        capacity = -(-capacity // 1024) * 1024  # rounded up so slightly longer prompts reuse the graphs
+        weight = drafter.fc.weight
+        self.cache = drafter.new_cache(capacity)
+        self.capacity = capacity
+        self.block_ids = torch.full((1, drafter.block_size), drafter.spec.mask_token_id, dtype=torch.long,
+                                    device=weight.device)
+        self.context = torch.zeros((1, drafter.block_size, weight.shape[1]), dtype=weight.dtype, device=weight.device)
+        self.length = torch.zeros((), dtype=torch.long, device=weight.device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    @classmethod
+    def for_run(cls, drafter: DFlashDrafter, capacity: int) -> DraftGraphs:
+        """The drafter's graphs for a run needing ``capacity`` slots: kept on the drafter, reset per run."""
+        existing = getattr(drafter, "_draft_graphs", None)
+        if existing is None or existing.capacity < capacity:
+            existing = cls(drafter, capacity)
+            drafter._draft_graphs = existing
+        existing.cache.reset()
+        return existing
+
+    def draft(self, drafter: DFlashDrafter, target, bonus: torch.Tensor, new_context: torch.Tensor, rows: int):
+        """Draft logits [rows, V] (the graph's static output, valid until the next call)."""
+        num_new = new_context.shape[1]
+        if self.cache.length + num_new + drafter.block_size > self.capacity:
+            raise RuntimeError(f"drafter cache overflow: {self.cache.length + num_new} > capacity {self.capacity}")
+        self.block_ids[0, :1].copy_(bonus.view(1))
+        self.context[:, :num_new].copy_(new_context)
+        self.length.fill_(self.cache.length)
+        key = (num_new, rows)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(drafter, target, num_new, rows)
+        graph, logits = self.graphs[key]
+        graph.replay()
+        self.cache.length += num_new
+        return logits
+
+    def _pass(self, drafter: DFlashDrafter, target, num_new: int, rows: int) -> torch.Tensor:
+        embeds = target.model.get_input_embeddings()(self.block_ids)
+        hidden = drafter.forward_at(embeds, self.context[:, :num_new], self.cache, self.length)
+        return target.model.get_output_embeddings()(hidden[0, 1 : 1 + rows])
+
+    def _capture(self, drafter: DFlashDrafter, target, num_new: int, rows: int):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-ups rewrite the same context K/V into the same slots
+            for _ in range(2):
+                self._pass(drafter, target, num_new, rows)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self._pass(drafter, target, num_new, rows)
+        return graph, logits
