@@ -14,7 +14,7 @@ from workers.dflash import draft_block, new_draft_cache
 from workers.drafter import DFlashDrafter
 from workers.generation import NULL_TIMER, GenerationConfig, GenerationOutput, open_generation
 from workers.sampling import sample_tokens
-from workers.tree import TreeParams, build_tree, follow_tree
+from workers.tree import TreeParams, accepted_nodes, build_tree
 
 
 def resolve_tree_params(params: TreeParams, block_size: int) -> TreeParams:
@@ -45,19 +45,21 @@ def generate(
         with timer.stage("draft"):
             draft_logits = draft_block(drafter, target, draft_cache, bonus, new_context, params.max_depth)
         with timer.stage("tree"):
-            tree = build_tree(torch.log_softmax(draft_logits.float(), dim=-1), params)  # heap runs on host
-            tree = tree.to(target.device)
+            host_tree = build_tree(torch.log_softmax(draft_logits.float(), dim=-1), params)  # heap runs on host
+            tree = host_tree.to(target.device)
         with timer.stage("verify"):
             verified = target.verify_tree(bonus[0], tree)
         with timer.stage("commit"):
             choices = sample_tokens(verified.logits, config.temperature, generator)  # [n+1]
             tree = tree.to(choices.device)  # a no-op unless the lm_head sits on another GPU
-            path, next_token = follow_tree(tree.tokens, tree.parents, tree.visibility, choices)
-            path = path.cpu()  # sync: the round's one host read (the path length drives the commit)
+            accepted = accepted_nodes(tree.tokens, tree.parents, tree.visibility, choices)  # [n+1]
+            walk = torch.stack((accepted.long(), choices)).cpu()  # sync: the round's one host read
+            path = walk[0].nonzero().squeeze(1)  # accepted nodes, root first, in depth order
+            last = int(path[-1])
             target.commit(path)
             new_context = verified.taps[:, path.to(verified.taps.device)]
-            bonus = next_token.view(1)
-            out.extend(tree.tokens[(path[1:] - 1).to(tree.tokens.device)].tolist() + [int(next_token.item())])
+            bonus = choices[last : last + 1]
+            out.extend(host_tree.tokens[path[1:] - 1].tolist() + [int(walk[1, last])])
         rounds.append(int(path.shape[0]))
 
     ttft, decode = start.clock.finish()

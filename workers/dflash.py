@@ -84,12 +84,14 @@ def generate(
             verified = target.verify_chain(chain)
         with timer.stage("commit"):
             choices = sample_tokens(verified.logits, config.temperature, generator)  # [n+1]
-            agree = (guesses.to(choices.device) == choices[:-1]).int().cumprod(dim=0)
-            accepted = int(agree.sum().item())  # sync: the round's one host read
+            guesses = guesses.to(choices.device)
+            walk = torch.cat((guesses, choices)).cpu()  # sync: the round's one host read
+            drafted, chosen = walk[:num_draft], walk[num_draft:]
+            accepted = int((drafted == chosen[:-1]).int().cumprod(dim=0).sum())
             target.commit(torch.arange(accepted + 1))
             new_context = verified.taps[:, : accepted + 1]
             bonus = choices[accepted : accepted + 1]
-            out.extend(chain[1 : accepted + 1].tolist() + [int(bonus.item())])
+            out.extend(drafted[:accepted].tolist() + [int(chosen[accepted])])
         rounds.append(accepted + 1)
 
     ttft, decode = start.clock.finish()

@@ -153,8 +153,16 @@ def follow_tree(
     Node i is accepted iff every node on its root path was the target's choice at its parent.
     Siblings carry distinct tokens, so the accepted nodes form one chain: no Python loop per node.
     """
-    matches = torch.ones(parents.shape[0], dtype=torch.bool, device=parents.device)
-    matches[1:] = target_tokens[parents[1:]] == node_tokens
-    accepted = ~(visibility & ~matches.unsqueeze(0)).any(dim=1)  # [n+1]
+    accepted = accepted_nodes(node_tokens, parents, visibility, target_tokens)
     path = accepted.nonzero().squeeze(1)  # ascending index is ascending depth along one chain
     return path, target_tokens[path[-1]]
+
+
+def accepted_nodes(
+    node_tokens: torch.Tensor, parents: torch.Tensor, visibility: torch.Tensor, target_tokens: torch.Tensor
+) -> torch.Tensor:
+    """bool [n+1]: node i is accepted iff every node on its root path is the target's choice at its
+    parent (``follow_tree``'s walk as a mask, computed on the device without a host read)."""
+    matches = torch.ones(parents.shape[0], dtype=torch.bool, device=parents.device)
+    matches[1:] = target_tokens[parents[1:]] == node_tokens
+    return ~(visibility & ~matches.unsqueeze(0)).any(dim=1)

@@ -449,4 +449,6 @@ def test_speculative_runs_accepted_multi_token_rounds(request):
         for engine in ("dflash", "ddtree"):
             runs = [r for r in spec if r["fixture"] == name and r["engine"] == engine]
             multi = sum(r["committed"] > r["rounds"] for r in runs)
+            if len(runs) < 10:  # only a -k selection leaves a fixture this few runs
+                continue
             assert multi >= 3, f"{name} / {engine}: only {multi} of {len(runs)} runs accepted a drafted token"
