@@ -132,7 +132,15 @@ class StaticTarget:
         return self._ids.shape[0] if self.capacity else 0
 
     def _allocate(self, capacity: int, max_verify: int) -> None:
-        """Buffers at fixed addresses for the whole run (captured graphs read them), sized once."""
+        """Buffers at fixed addresses for the whole run (captured graphs read them), sized once.
+
+        Made as normal tensors even under inference mode, so a later caller outside it (training the
+        tiny drafter on the target's taps) may still update them in place.
+        """
+        with torch.inference_mode(False):
+            self._allocate_buffers(capacity, max_verify)
+
+    def _allocate_buffers(self, capacity: int, max_verify: int) -> None:
         cfg, device = self.config, self.device
         # a verify pass writes its K/V after at most ``capacity`` committed tokens; rounding up keeps
         # later, slightly longer prompts from reallocating (and re-capturing every graph)
