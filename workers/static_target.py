@@ -18,8 +18,8 @@ from the committed linear state. The prompt goes through the same pass in chunks
 With ``graphs=True`` (CUDA), a verify pass of q nodes is captured once as a CUDA graph and then
 replayed: its inputs (ids, depths, parents, visibility, committed length) are copied into static
 buffers, attention reads the whole K/V buffer under a mask built on the device from the committed
-length, and the outputs are the graph's static tensors (valid until the next pass). The prompt and
-the commit run eagerly.
+length, and the outputs are the graph's static tensors (valid until the next pass). The commit after
+a replayed pass is captured too, per (pass width, path length); the prompt runs eagerly.
 
 A target split over several GPUs (accelerate ``device_map``) works unchanged in eager mode: the
 hidden state moves to each layer's device, and taps are gathered onto the drafter's device.
