@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from workers.errors import BadInputError
+from workers.errors import BadInputError, UnsupportedModelError
 from workers.target import check_supported
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -92,14 +92,20 @@ def load_target(
     except Exception as exc:  # missing folder, no hub access, bad config: one message for the user
         where = "folder" if Path(name_or_path).exists() else "model id or folder"
         raise BadInputError(f"{name_or_path}: cannot load the target config from this {where} ({exc})") from exc
-    check_supported(config)
-    model = AutoModelForCausalLM.from_pretrained(
-        name_or_path,
-        dtype=parse_dtype(dtype),
-        attn_implementation=attn_implementation,
-        local_files_only=local_files_only,
-        **placement.from_pretrained_kwargs(config, parse_dtype(dtype)),
-    )
+    try:
+        check_supported(config)
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"{name_or_path}: {exc}") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path,
+            dtype=parse_dtype(dtype),
+            attn_implementation=attn_implementation,
+            local_files_only=local_files_only,
+            **placement.from_pretrained_kwargs(config, parse_dtype(dtype)),
+        )
+    except OSError as exc:  # weight files missing, unreadable or not on the hub: the user's input, not a crash
+        raise BadInputError(f"{name_or_path}: cannot load the target weights ({exc})") from exc
     return model.eval()
 
 

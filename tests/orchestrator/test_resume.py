@@ -218,16 +218,25 @@ def test_grid_runs_every_point_once(tiny_dir, tmp_path, sampler):
     assert points == sorted([(2, "1"), (2, "None"), (8, "1"), (8, "None")])
 
 
-def test_target_the_engine_refuses_exits_2_and_creates_nothing(tiny_dir, tmp_path):
-    hybrid = tmp_path / "hybrid"
-    hybrid.mkdir()
-    (hybrid / "config.json").write_text('{"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]}')
+@pytest.mark.parametrize(
+    ("config_json", "message"),
+    [
+        ('{"model_type": "mamba", "architectures": ["MambaForCausalLM"]}', "'mamba' is not supported"),
+        # a supported (hybrid) architecture whose folder has no weights: named, not a traceback
+        ('{"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]}', "cannot load the target weights"),
+    ],
+    ids=["unsupported-architecture", "no-weights"],
+)
+def test_target_the_engine_refuses_exits_2_and_creates_nothing(tiny_dir, tmp_path, config_json, message):
+    folder = tmp_path / "target"
+    folder.mkdir()
+    (folder / "config.json").write_text(config_json)
     runs = tmp_path / "runs"
     config = sweep_dict(tiny_dir, runs, n_trials=1)
-    config["target"] = {"model": str(hybrid), "dtype": "float32"}
+    config["target"] = {"model": str(folder), "dtype": "float32"}
     proc = run_sweep(write_sweep(tmp_path / "sweep.yaml", config))
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "qwen3_next" in proc.stderr and "Traceback" not in proc.stderr
+    assert message in proc.stderr and str(folder) in proc.stderr and "Traceback" not in proc.stderr
     assert not runs.exists()
 
 
