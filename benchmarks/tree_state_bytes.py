@@ -2,7 +2,7 @@
 
     python benchmarks/tree_state_bytes.py [--shape qwen3.6-27b] [--dtype bfloat16]
 
-``tree_state_bytes`` is what ``HybridTarget`` keeps between a verify pass and its commit (the
+``tree_state_bytes`` is what ``StaticTarget`` keeps between a verify pass and its commit (the
 per-node vectors of every Gated DeltaNet layer); "full state per node" is the naive fork that keeps
 a float32 recurrent state for every node. Computed from the config (tests check the formula against
 the bytes a real small hybrid model holds).
