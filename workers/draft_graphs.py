@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from workers.drafter import DFlashDrafter
+from workers.graph_cache import GraphCache
 
 
 class DraftGraphs:
@@ -24,7 +25,8 @@ class DraftGraphs:
                                     device=weight.device)
         self.context = torch.zeros((1, drafter.block_size, weight.shape[1]), dtype=weight.dtype, device=weight.device)
         self.length = torch.zeros((), dtype=torch.long, device=weight.device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # by (new-context length, rows): up to block_size lengths for each of a few drafting depths
+        self.graphs = GraphCache(3 * drafter.block_size)
 
     @classmethod
     def for_run(cls, drafter: DFlashDrafter, capacity: int) -> DraftGraphs:

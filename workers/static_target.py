@@ -45,8 +45,11 @@ from workers.deltanet import (
     window_after,
 )
 from workers.errors import UnsupportedModelError
+from workers.graph_cache import GraphCache
 from workers.target import VerifyOutput, check_supported, text_config
 from workers.tree import DraftTree
+
+MAX_VERIFY_GRAPHS = 4  # verify widths kept captured (a trial uses 1 for AR, n+1, or B+1)
 
 
 class _KVBuffers:
@@ -166,9 +169,14 @@ class StaticTarget:
         self._kept = torch.zeros(max(max_verify, self.prefill_chunk), dtype=torch.long, device=device)
         self._length = torch.zeros((), dtype=torch.long, device=device)
         self._columns = torch.arange(capacity, device=device)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, VerifyOutput, dict, int]] = {}
+        # verify graphs by pass width (a few kept), commit graphs by (width, path length)
+        self._graphs = GraphCache(MAX_VERIFY_GRAPHS, on_evict=self._drop_commit_graphs)
         self._commit_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._graph_width: int | None = None  # width of the last pass if it was a graph replay
+
+    def _drop_commit_graphs(self, width: int) -> None:
+        for key in [key for key in self._commit_graphs if key[0] == width]:
+            del self._commit_graphs[key]
 
     # -- forwards ----------------------------------------------------------------------------------
     def prefill(self, input_ids: torch.Tensor) -> VerifyOutput:
