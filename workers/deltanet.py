@@ -87,10 +87,12 @@ def tree_delta_rule(
     state: torch.Tensor,  # [H, dk, dv] committed recurrent state (float32)
     visible: torch.Tensor,  # [q, q] bool, visible[t, j] = j is t or an ancestor of t
     head_group: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    with_outputs: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Outputs [q, H, dv] of every node, each from its own path; plus (keys [Hk, q, dk], deltas, G) for the commit.
 
-    ``head_group`` bounds the transient [group, q, q] matrices (None = all heads at once).
+    ``head_group`` bounds the transient [group, q, q] matrices (None = all heads at once);
+    ``with_outputs=False`` (a commit's replay needs only the state) skips the outputs and returns None.
     """
     num_heads, dk = value.shape[1], query.shape[-1]
     repeat = num_heads // query.shape[1]  # grouped heads: each q/k head serves `repeat` value heads
@@ -114,9 +116,10 @@ def tree_delta_rule(
         lower.diagonal(dim1=1, dim2=2).fill_(1.0)
         rhs = beta_[hs, :, None] * (v_[hs] - g.exp()[:, :, None] * (k @ S0))
         delta = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)  # [h, q, dv]
-        outputs[hs] = g.exp()[:, :, None] * (qh @ S0) + (decay * (qh @ k.transpose(1, 2))) @ delta
+        if with_outputs:
+            outputs[hs] = g.exp()[:, :, None] * (qh @ S0) + (decay * (qh @ k.transpose(1, 2))) @ delta
         deltas[hs] = delta
-    return outputs.transpose(0, 1), k_[::repeat].contiguous(), deltas, G
+    return outputs.transpose(0, 1) if with_outputs else None, k_[::repeat].contiguous(), deltas, G
 
 
 def state_after(

@@ -245,7 +245,7 @@ class StaticTarget:
             parents, visible = _chain(count, path.device)
             _, (keys, deltas, G), _ = self._delta_rule(
                 i, mixer, pending.extended[window + path], pending.log_gate[path], pending.beta[path],
-                conv_lag_index(parents, window), visible, head_group=None,
+                conv_lag_index(parents, window), visible, head_group=None, with_outputs=False,
             )
             new_state = state_after(self.states[i], keys, deltas, G, torch.arange(count, device=path.device))
             new_window = window_after(pending.extended, pending.lag_index, path[-1:])
@@ -367,9 +367,9 @@ class StaticTarget:
         out = mixer.norm(out.to(hidden.dtype).reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
         return mixer.out_proj(out.reshape(1, q, -1))
 
-    def _delta_rule(self, i, mixer, conv_inputs, log_gate, beta, lag_index, visible, head_group):
+    def _delta_rule(self, i, mixer, conv_inputs, log_gate, beta, lag_index, visible, head_group, with_outputs=True):
         """Conv + gated delta rule from layer i's committed state over nodes shaped by (lag_index,
-        visible); returns (outputs [q, H, dv], (keys, deltas, G) for ``state_after``, conv inputs)."""
+        visible); returns (outputs [q, H, dv] or None, (keys, deltas, G) for ``state_after``, conv inputs)."""
         q = conv_inputs.shape[0]
         weight = mixer.conv1d.weight[:, 0, :]  # [C, K]
         conv_out, extended = tree_conv(conv_inputs, self.conv_windows[i], weight, mixer.conv1d.bias, lag_index)
@@ -379,7 +379,9 @@ class StaticTarget:
         query = query.reshape(q, -1, mixer.head_k_dim)
         key = key.reshape(q, -1, mixer.head_k_dim)
         value = value.reshape(q, -1, mixer.head_v_dim)
-        out, keys, deltas, G = tree_delta_rule(query, key, value, log_gate, beta, self.states[i], visible, head_group)
+        out, keys, deltas, G = tree_delta_rule(
+            query, key, value, log_gate, beta, self.states[i], visible, head_group, with_outputs
+        )
         return out, (keys, deltas, G), extended
 
     def _taps(self, captured: dict[int, torch.Tensor]) -> torch.Tensor:
