@@ -45,6 +45,7 @@ from workers.deltanet import (
     window_after,
 )
 from workers.errors import UnsupportedModelError
+from workers.fused_layer import PassInputs, fused_layer_for
 from workers.graph_cache import GraphCache
 from workers.target import VerifyOutput, check_supported, text_config
 from workers.tree import DraftTree
@@ -55,25 +56,36 @@ MAX_VERIFY_GRAPHS = 4  # verify widths kept captured (a trial uses 1 for AR, n+1
 class _KVBuffers:
     """A duck-typed transformers cache for the attention layers: static [1, kv_heads, capacity, D] buffers.
 
-    ``update`` writes the pass's K/V at ``slots`` (device indices after the committed past) and
-    returns the first ``attend`` slots, which the attention module reads under the pass's mask.
+    The buffers of all attention layers on one device are views into one tensor
+    [layers, 2 (K, V), 1, kv_heads, capacity, D], so a commit moves every layer's accepted rows with
+    one gather and one scatter. ``update`` writes the pass's K/V at ``slots`` (device indices after
+    the committed past) and returns the first ``attend`` slots, which the attention module reads
+    under the pass's mask.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, layer_devices: dict[int, torch.device], shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
+        self.stacks: list[torch.Tensor] = []  # one per device, slots on dim 4
+        for device in dict.fromkeys(layer_devices.values()):
+            ids = [i for i, d in layer_devices.items() if d == device]
+            stack = torch.zeros((len(ids), 2, *shape), dtype=dtype, device=device)
+            self.stacks.append(stack)
+            for j, i in enumerate(ids):
+                self.keys[i], self.values[i] = stack[j, 0], stack[j, 1]
         self.slots: torch.Tensor | None = None
         self.attend = 0
-
-    def allocate(self, layer_id: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        self.keys[layer_id] = torch.zeros(shape, dtype=dtype, device=device)
-        self.values[layer_id] = torch.zeros(shape, dtype=dtype, device=device)
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
         slots = self.slots.to(keys.device)
         self.keys[layer_idx].index_copy_(2, slots, keys)
         self.values[layer_idx].index_copy_(2, slots, values)
         return self.keys[layer_idx][:, :, : self.attend], self.values[layer_idx][:, :, : self.attend]
+
+    def move(self, source: torch.Tensor, destination: torch.Tensor) -> None:
+        """Copy the K/V of slots ``source`` to slots ``destination`` in every layer."""
+        for stack in self.stacks:
+            stack.index_copy_(4, destination.to(stack.device), stack.index_select(4, source.to(stack.device)))
 
 
 class StaticTarget:
@@ -109,6 +121,8 @@ class StaticTarget:
         self.graphs = graphs
         # experimental: torch.compile fuses the layers' small elementwise kernels (norms, rotary, gates)
         self._run_layers = torch.compile(self._layers, dynamic=False) if compile_layers else self._layers
+        # plain attention layers run as FusedLayer (few kernels); others through transformers' modules
+        self.fused = {i: fused_layer_for(self.layers[i], self.config) for i in self.attention_ids}
         if self.attention_ids:  # transformers renamed the attention modules' ``past_key_values`` to ``cache``
             params = inspect.signature(self.layers[self.attention_ids[0]].self_attn.forward).parameters
             self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -149,10 +163,9 @@ class StaticTarget:
         # later, slightly longer prompts from reallocating (and re-capturing every graph)
         capacity = -(-(capacity + max_verify) // 1024) * 1024
         self.capacity = capacity
-        self.kv = _KVBuffers()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        for i in self.attention_ids:
-            self.kv.allocate(i, (1, cfg.num_key_value_heads, capacity, head_dim), self.dtype, self.layer_devices[i])
+        self.kv = _KVBuffers({i: self.layer_devices[i] for i in self.attention_ids},
+                             (1, cfg.num_key_value_heads, capacity, head_dim), self.dtype)
         self.conv_windows: dict[int, torch.Tensor] = {}
         self.states: dict[int, torch.Tensor] = {}
         for i in self.linear_ids:
@@ -232,12 +245,8 @@ class StaticTarget:
     def _commit_core(self, count: int) -> None:
         """Device-only commit of the path in ``_kept[:count]`` after ``_length`` committed tokens."""
         length = self._length
-        for i in self.attention_ids:  # accepted K/V rows move to the slots after the committed past
-            device = self.layer_devices[i]
-            source = (length + self._kept[:count]).to(device)
-            destination = (length + self._columns[:count]).to(device)
-            for buffer in (self.kv.keys[i], self.kv.values[i]):
-                buffer.index_copy_(2, destination, buffer.index_select(2, source))
+        # accepted K/V rows move to the slots after the committed past
+        self.kv.move(length + self._kept[:count], length + self._columns[:count])
         for i in self.linear_ids:  # replay the accepted path as a chain from the committed state
             pending, path = self.pending[i], self._kept[:count].to(self.layer_devices[i])
             mixer = self.layers[i].linear_attn
@@ -310,6 +319,9 @@ class StaticTarget:
         cos, sin = self.rotary(hidden, positions)
         mask = self._attention_mask(length, visible, attend)
         per_device = _PerDevice(cos=cos, sin=sin, mask=mask, parents=parents, visible=visible)
+        if any(self.fused.values()):
+            groups = self.config.num_attention_heads // self.config.num_key_value_heads
+            per_device.fused = PassInputs.build(cos, sin, self.kv.slots, mask[0, 0], groups)
         head_group = head_group_for(q)
 
         captured: dict[int, torch.Tensor] = {}
@@ -328,6 +340,13 @@ class StaticTarget:
         for i, layer in enumerate(self.layers):
             on = per_device.get(self.layer_devices[i])
             hidden = hidden.to(self.layer_devices[i])
+            fused = self.fused.get(i)
+            if fused is not None:
+                hidden = fused(hidden, per_device.fused_on(self.layer_devices[i]), self.kv.keys[i], self.kv.values[i],
+                               self.kv.attend)
+                if i in self.tap_layer_ids:
+                    captured[i] = hidden
+                continue
             mixed = layer.input_layernorm(hidden)
             if self.layer_types[i] == "linear_attention":
                 mixed = self._linear_attention(i, layer.linear_attn, mixed, on["parents"], on["visible"], head_group)
@@ -416,8 +435,15 @@ class _PerDevice:
     def __init__(self, **tensors: torch.Tensor) -> None:
         self.tensors = tensors
         self.copies: dict[torch.device, dict[str, torch.Tensor]] = {}
+        self.fused: PassInputs | None = None  # the fused layers' shared inputs, on the first device
+        self.fused_copies: dict[torch.device, PassInputs] = {}
 
     def get(self, device: torch.device) -> dict[str, torch.Tensor]:
         if device not in self.copies:
             self.copies[device] = {name: t.to(device) for name, t in self.tensors.items()}
         return self.copies[device]
+
+    def fused_on(self, device: torch.device) -> PassInputs:
+        if device not in self.fused_copies:
+            self.fused_copies[device] = PassInputs(*(t.to(device) for t in vars(self.fused).values()))
+        return self.fused_copies[device]

@@ -1,0 +1,180 @@
+"""Where a graph-replayed target forward spends its GPU time, and what the matrix products alone cost.
+
+    python benchmarks/forward_anatomy.py [--shape qwen3-8b] [--context 1024] [--compile]
+
+Random weights of a named shape in bf16 on one GPU. Prints:
+- the copy bandwidth (the floor's denominator);
+- each weight shape's matrix product at q = 1 / 16 / 64 rows, replayed in a CUDA graph over one
+  distinct weight per layer (so nothing is served from L2), as ms per forward and GB/s;
+- kernel time of a graph-replayed verify pass (q = 1 and 64) by kind: matmul, attention, copies /
+  indexing, reductions, other elementwise; and the top kernels;
+- the same for the layers under torch.compile (``--compile``);
+- the drafter pass: eager vs its CUDA graph.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from workers.dflash import draft_block
+from workers.draft_graphs import DraftGraphs
+from workers.shapes import build_random_drafter, build_random_target
+from workers.static_target import StaticTarget
+
+KINDS = (
+    ("matmul", ("gemv", "gemm", "nvjet", "cutlass", "sm90_", "xmma", "splitk")),
+    ("attention", ("fmha", "flash", "attention", "attn")),
+    ("copy/index", ("index", "copy", "cat", "gather", "scatter", "fill")),
+    ("reduction", ("reduce",)),
+)
+
+
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    for kind, needles in KINDS:
+        if any(needle in lowered for needle in needles):
+            return kind
+    return "elementwise/other"
+
+
+def median_ms(fn, reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        begin = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(samples)
+
+
+def graphed(fn):
+    """fn captured in a CUDA graph (after a warm-up on a side stream); returns replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def kernel_breakdown(fn, label: str, lines: list[str], top: int = 8) -> None:
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    by_kind: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    rows = []
+    for event in prof.key_averages():
+        if event.device_type.name != "CUDA" or event.self_device_time_total <= 0:
+            continue
+        kind = kind_of(event.key)
+        by_kind[kind][0] += event.self_device_time_total / 1e3
+        by_kind[kind][1] += event.count
+        rows.append((event.self_device_time_total / 1e3, event.count, event.key))
+    total = sum(v[0] for v in by_kind.values())
+    launches = sum(v[1] for v in by_kind.values())
+    lines.append(f"-- {label}: {total:.2f} ms of kernel time in {launches} kernels")
+    for kind, (ms, count) in sorted(by_kind.items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"   {kind:<18} {ms:7.2f} ms  {count:5d} kernels")
+    for ms, count, name in sorted(rows, reverse=True)[:top]:
+        lines.append(f"   {ms:7.3f} ms {count:5d}x  {name[:90]}")
+
+
+def matmul_table(config, lines: list[str], layers: int) -> None:
+    hidden, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", hidden // config.num_attention_heads)
+    q_out, kv_out = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    shapes = {
+        "q_proj": (q_out, hidden), "k_proj": (kv_out, hidden), "o_proj": (hidden, q_out),
+        "qkv fused": (q_out + 2 * kv_out, hidden), "gate_proj": (inter, hidden),
+        "gate_up fused": (2 * inter, hidden), "down_proj": (hidden, inter),
+        "lm_head (x1)": (config.vocab_size, hidden),
+    }
+    lines.append(f"{'matmul (per forward)':<22} {'q=1 ms':>8} {'GB/s':>6} {'q=16 ms':>8} {'GB/s':>6} {'q=64 ms':>8} {'GB/s':>6}")
+    for name, (out_features, in_features) in shapes.items():
+        count = 1 if name.startswith("lm_head") else layers
+        weights = [torch.randn(out_features, in_features, dtype=torch.bfloat16, device="cuda") for _ in range(count)]
+        nbytes = count * out_features * in_features * 2
+        row = f"{name:<22}"
+        for q in (1, 16, 64):
+            x = torch.randn(q, in_features, dtype=torch.bfloat16, device="cuda")
+            replay = graphed(lambda x=x: [F.linear(x, w) for w in weights])
+            ms = median_ms(replay)
+            row += f" {ms:>8.3f} {nbytes / ms / 1e6:>6.0f}"
+        lines.append(row)
+        del weights
+
+
+@torch.inference_mode()
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen3-8b")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--compile", action="store_true")
+    args = parser.parse_args()
+    lines: list[str] = []
+
+    source = torch.empty(2**31, dtype=torch.int16, device="cuda")
+    copy = torch.empty_like(source)
+    bandwidth = 2 * source.numel() * 2 / (median_ms(lambda: copy.copy_(source), 10) / 1e3)
+    del source, copy
+    model = build_random_target(args.shape, torch.bfloat16, torch.device("cuda"))
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed_bytes = model.get_input_embeddings().weight.numel() * 2
+    floor_ms = (weight_bytes - embed_bytes) / bandwidth * 1e3
+    lines.append(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; weights read per forward {(weight_bytes - embed_bytes) / 1e9:.2f} GB"
+                 f" (embedding table excluded) -> floor {floor_ms:.2f} ms")
+    matmul_table(model.config, lines, model.config.num_hidden_layers)
+
+    drafter = build_random_drafter(args.shape, model)
+    prompt = torch.randint(1, model.config.vocab_size - 1, (1, args.context), device="cuda")
+    taps = drafter.spec.target_layer_ids
+    runners = [("graph", StaticTarget(model, taps, graphs=True))]
+    if args.compile:
+        runners.append(("compiled+graph", StaticTarget(model, taps, graphs=True, compile_layers=True)))
+    for label, target in runners:
+        for q in (1, 64):
+            begin = time.perf_counter()
+            target.start(capacity=args.context + 600, max_verify=64)
+            target.prefill(prompt)
+            call = lambda t=target, q=q: t.verify_chain(prompt[0, :q])  # noqa: E731
+            call()
+            setup = time.perf_counter() - begin
+            ms = median_ms(call)
+            lines.append(f"{label} verify q={q}: {ms:.2f} ms ({ms / floor_ms:.2f}x floor; setup {setup:.0f} s)")
+            kernel_breakdown(call, f"{label} q={q}", lines)
+
+    target = runners[0][1]
+    target.start(capacity=args.context + 600, max_verify=64)
+    opening = target.prefill(prompt)
+    bonus = prompt[0, -1:].clone()
+    cache = drafter.new_cache(args.context + 600)
+    draft_block(drafter, target, cache, bonus, opening.taps, 15)
+    eager_ms = median_ms(lambda: (draft_block(drafter, target, cache, bonus, opening.taps[:, -4:], 15),
+                                  setattr(cache, "length", cache.length - 4)))
+    graphs = DraftGraphs.for_run(drafter, args.context + 600)
+    draft_block(drafter, target, graphs, bonus, opening.taps, 15)
+    graph_ms = median_ms(lambda: (draft_block(drafter, target, graphs, bonus, opening.taps[:, -4:], 15),
+                                  setattr(graphs.cache, "length", graphs.cache.length - 4)))
+    lines.append(f"drafter pass (4 new context tokens, 15 rows): eager {eager_ms:.2f} ms, graph {graph_ms:.2f} ms")
+    kernel_breakdown(lambda: (draft_block(drafter, target, graphs, bonus, opening.taps[:, -4:], 15),
+                              setattr(graphs.cache, "length", graphs.cache.length - 4)), "drafter graph", lines)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

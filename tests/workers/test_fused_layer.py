@@ -1,0 +1,122 @@
+"""FusedLayer (plain attention layers in few kernels) against transformers' own forward.
+
+Every supported family (Qwen3 with q/k norms, Qwen2 with q/k/v biases, Llama, Mistral) is built
+from config with random weights; in float32 every tree node's logits must equal the plain forward on
+prompt + root + that node's path, before and after a commit that moves K/V rows. The fused matrices
+must share storage with the model's own weights (nothing stored twice), and both attention branches
+(batched products for few rows, SDPA for many) must agree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from workers import fused_layer
+from workers.fused_layer import FusedLayer, attend_folded, fused_layer_for
+from workers.static_target import StaticTarget
+from workers.tree import TreeParams, build_tree
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+VOCAB = 50
+FAMILIES = {"qwen3": {}, "qwen2": {}, "llama": {}, "mistral": {"sliding_window": None}}
+
+
+def random_model(model_type: str, seed: int):
+    config = AutoConfig.for_model(
+        model_type, vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        **FAMILIES[model_type],
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():  # larger than the default init, so attention is not flat
+            parameter.normal_(0, 0.3)
+    return model
+
+
+def plain_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1]
+
+
+def path_tokens(tree, root: int, node: int) -> list[int]:
+    nodes = []
+    while node > 0:
+        nodes.append(node)
+        node = int(tree.parents[node])
+    return [root] + [int(tree.tokens[n - 1]) for n in reversed(nodes)]
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+@pytest.mark.parametrize("seed", range(3))
+def test_tree_nodes_and_commits_match_the_plain_forward(model_type, seed):
+    model = random_model(model_type, seed)
+    target = StaticTarget(model, tap_layer_ids=(1,))
+    assert all(isinstance(f, FusedLayer) for f in target.fused.values()) and len(target.fused) == 3
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, VOCAB, (9 + seed,), generator=generator).tolist()
+    tree = build_tree(torch.log_softmax(torch.randn(4, VOCAB, generator=generator) * 2, -1), TreeParams(8 + 4 * seed, max_depth=4))
+    target.start(capacity=64, max_verify=32)
+    with torch.no_grad():
+        target.prefill(torch.tensor([prompt]))
+        verified = target.verify_tree(torch.tensor(prompt[-1]), tree)
+    for node in range(1 + tree.num_nodes):
+        expected = plain_logits(model, prompt + path_tokens(tree, prompt[-1], node))
+        torch.testing.assert_close(verified.logits[node], expected, atol=2e-5, rtol=1e-5)
+
+    # commit the path to the deepest node (off the first chain when the tree branches), then go on
+    deepest = int(tree.depths.argmax()) + 1
+    nodes = [deepest]
+    while nodes[-1] > 0:
+        nodes.append(int(tree.parents[nodes[-1]]))
+    with torch.no_grad():
+        target.commit(torch.tensor(nodes[::-1]))
+        more = [3, 1, 4]
+        chain = target.verify_chain(torch.tensor(more))
+    text = prompt + path_tokens(tree, prompt[-1], deepest)  # the root was verified (and committed) too
+    for k in range(3):
+        torch.testing.assert_close(chain.logits[k], plain_logits(model, text + more[: k + 1]), atol=2e-5, rtol=1e-5)
+
+
+def test_fused_weights_are_views_of_the_model_weights():
+    model = random_model("qwen2", 0)
+    layer = model.model.layers[0]
+    before = {name: p.clone() for name, p in layer.named_parameters()}
+    count = sum(p.numel() for p in model.parameters())
+    fused = fused_layer_for(layer, model.config)
+    assert fused_layer_for(layer, model.config) is fused  # made once per layer
+    attn, mlp = layer.self_attn, layer.mlp
+    for name, p in layer.named_parameters():  # same values, same parameter count
+        torch.testing.assert_close(p, before[name], rtol=0, atol=0)
+    assert sum(p.numel() for p in model.parameters()) == count
+    stacked = fused.qkv_weight.untyped_storage().data_ptr()
+    assert all(m.weight.untyped_storage().data_ptr() == stacked for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+    assert attn.q_proj.bias.untyped_storage().data_ptr() == fused.qkv_bias.untyped_storage().data_ptr()
+    assert mlp.up_proj.weight.untyped_storage().data_ptr() == fused.gate_up_weight.untyped_storage().data_ptr()
+    with torch.no_grad():  # an in-place update of the model's weight is what the fused layer reads
+        attn.k_proj.weight.add_(1.0)
+    torch.testing.assert_close(fused.qkv_weight[64:96], before["self_attn.k_proj.weight"] + 1.0)
+
+
+def test_unsupported_layers_keep_transformers_modules(tiny_hybrid):
+    """Qwen3.5's gated, partial-rotary attention (and its 1 + weight norms) is not a plain layer."""
+    target = StaticTarget(tiny_hybrid.model)
+    assert target.attention_ids and all(f is None for f in target.fused.values())
+
+
+@pytest.mark.parametrize("rows", [1, 5, 24])
+def test_both_attention_branches_agree(monkeypatch, rows):
+    generator = torch.Generator().manual_seed(rows)
+    query, key, value = (torch.randn(2, n, 16, generator=generator) for n in (rows, 40, 40))
+    mask = torch.where(torch.rand(rows, 40, generator=generator) < 0.3, torch.finfo(torch.float32).min, 0.0)
+    mask[:, 0] = 0.0  # every row sees something
+    monkeypatch.setattr(fused_layer, "SMALL_ATTENTION_ROWS", 10**6)
+    small = attend_folded(query, key, value, mask, 0.25)
+    monkeypatch.setattr(fused_layer, "SMALL_ATTENTION_ROWS", 0)
+    large = attend_folded(query, key, value, mask, 0.25)
+    torch.testing.assert_close(small, large, atol=1e-5, rtol=1e-5)
+    weights = torch.softmax(query @ key.transpose(1, 2) * 0.25 + mask, dim=-1)
+    torch.testing.assert_close(small, weights @ value, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,163 @@
+"""A plain attention decoder layer (Qwen3 / Qwen2 / Llama / Mistral) in few, larger kernels.
+
+At batch 1 a verify pass reads every weight once and does little arithmetic, so its time is the
+weight reads plus one launch per kernel: transformers' layer issues ~64 kernels (six per RMSNorm,
+ten for the rotary, five projections), most of them a few microseconds of nothing. This layer runs
+the same arithmetic as
+
+    x = x + o_proj(attention(rope(norm_qk(q_proj(n))), rope(norm_qk(k_proj(n))), v_proj(n)))   n = norm(x)
+    x = x + down_proj(silu(gate_proj(m)) * up_proj(m))                                           m = norm(x)
+
+with ~25 kernels: q/k/v projections as one matrix and gate/up as one (larger matrices also stream
+closer to full memory bandwidth: measured on an H200, 3.2 vs 2.7 TB/s and 4.2 vs 3.7 TB/s), each
+RMSNorm as one fused kernel, q and k normalised and rotated together, and the attention of a few
+rows as two batched matrix products (cuDNN's fused kernel costs ~45 us per layer for one row).
+
+The fused matrices are built once per layer and the model's own ``q_proj.weight`` (etc.) become
+views into them, so no weight is stored twice and transformers' forward still sees the same values.
+Layers of any other shape (gated or partial-rotary attention, MoE) keep transformers' modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# transformers' RMSNorm classes computing weight * (x * rsqrt(mean(x^2) + eps)) (not 1 + weight)
+PLAIN_NORMS = frozenset({"Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm"})
+# above this many folded query rows (query heads per K/V head x nodes) one fused SDPA kernel wins
+SMALL_ATTENTION_ROWS = 512
+
+
+@dataclass
+class PassInputs:
+    """What every fused layer of one pass shares, built once per pass.
+
+    cos, sin_signed: [q, 1, D]   rotary tables; sin_signed = sin with its first half negated, so that
+                                 rope(x) = x * cos + swap_halves(x) * sin_signed
+    slots:           [q]         K/V buffer slots this pass writes
+    mask:            [g*q, C]    additive mask per folded query row (row r*q + t is node t)
+    """
+
+    cos: torch.Tensor
+    sin_signed: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
+
+    @classmethod
+    def build(cls, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, groups: int):
+        """cos/sin [1, q, D] as transformers' rotary gives them; mask additive [q, C]."""
+        half = sin.shape[-1] // 2
+        sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return cls(cos[0].unsqueeze(1), sin_signed[0].unsqueeze(1), slots, mask.repeat(groups, 1))
+
+
+class FusedLayer:
+    """One decoder layer's weights regrouped for few kernels; see the module docstring."""
+
+    def __init__(self, layer: nn.Module, config) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.head_dim = attn.head_dim
+        self.query_heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.scale = attn.scaling
+        self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        self.o_proj, self.down_proj = attn.o_proj, mlp.down_proj
+        self.intermediate = mlp.gate_proj.out_features
+        with torch.no_grad(), torch.inference_mode(False):
+            self.qkv_weight = _fuse_rows(attn.q_proj, attn.k_proj, attn.v_proj, "weight")
+            self.qkv_bias = _fuse_rows(attn.q_proj, attn.k_proj, attn.v_proj, "bias")
+            self.gate_up_weight = _fuse_rows(mlp.gate_proj, mlp.up_proj, None, "weight")
+            self.qk_norm_weight = None
+            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head's D before the rotary
+                self.qk_norm_weight = torch.cat((attn.q_norm.weight.expand(self.query_heads, -1),
+                                                 attn.k_norm.weight.expand(self.kv_heads, -1)))  # [Hq+Hkv, D]
+                self.qk_eps = attn.q_norm.variance_epsilon
+
+    @staticmethod
+    def supports(layer: nn.Module, config) -> bool:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or mlp is None or not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            return False
+        if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            return False
+        head_dim = attn.head_dim
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if hasattr(attn, "q_norm"):
+            norms += [attn.q_norm, attn.k_norm]
+        return (
+            attn.q_proj.out_features == config.num_attention_heads * head_dim  # no output gate folded in
+            and getattr(config, "partial_rotary_factor", 1.0) == 1.0
+            and all(type(norm).__name__ in PLAIN_NORMS for norm in norms)
+            and getattr(config, "hidden_act", None) == "silu"
+            and all(m.bias is None for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        )
+
+    def __call__(self, hidden: torch.Tensor, inputs: PassInputs, keys: torch.Tensor, values: torch.Tensor,
+                attend: int) -> torch.Tensor:
+        """hidden [1, q, H] -> [1, q, H]; writes this pass's K/V into keys/values [1, Hkv, C, D] at inputs.slots."""
+        q, hq, hkv, d = hidden.shape[1], self.query_heads, self.kv_heads, self.head_dim
+        normed = _rms_norm(hidden[0], self.input_norm)
+        heads = F.linear(normed, self.qkv_weight, self.qkv_bias).view(q, hq + 2 * hkv, d)
+        query_key = heads[:, : hq + hkv]
+        if self.qk_norm_weight is not None:
+            query_key = F.rms_norm(query_key, (d,), eps=self.qk_eps) * self.qk_norm_weight
+        swapped = query_key.unflatten(-1, (2, d // 2)).flip(-2).flatten(-2)
+        query_key = torch.addcmul(query_key * inputs.cos, swapped, inputs.sin_signed)  # [q, Hq+Hkv, D] rotated
+        keys[0].index_copy_(1, inputs.slots, query_key[:, hq:].transpose(0, 1))
+        values[0].index_copy_(1, inputs.slots, heads[:, hq + hkv :].transpose(0, 1))
+        # fold each K/V head's query heads into rows: [Hkv, g*q, D], row r*q + t = head kv*g + r, node t
+        folded = query_key[:, :hq].transpose(0, 1).reshape(hkv, (hq // hkv) * q, d)
+        out = attend_folded(folded, keys[0, :, :attend], values[0, :, :attend], inputs.mask, self.scale)
+        out = out.reshape(hq, q, d).transpose(0, 1).reshape(1, q, hq * d)
+        hidden = hidden + self.o_proj(out)
+        gate_up = F.linear(_rms_norm(hidden, self.post_norm), self.gate_up_weight)
+        activated = F.silu(gate_up[..., : self.intermediate]) * gate_up[..., self.intermediate :]
+        return hidden + self.down_proj(activated)
+
+
+def attend_folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """Softmax attention of folded rows: query [Hkv, R, D] over key/value [Hkv, C, D] with an
+    additive mask [R, C] -> [Hkv, R, D]. Few rows: scores by one batched product, softmax in
+    float32 (as transformers' eager attention); many rows: torch's fused SDPA."""
+    if query.shape[1] > SMALL_ATTENTION_ROWS:
+        return F.scaled_dot_product_attention(query[None], key[None], value[None], attn_mask=mask, scale=scale)[0]
+    scores = torch.baddbmm(mask, query, key.transpose(1, 2), alpha=scale)  # [Hkv, R, C]
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    return torch.bmm(weights, value)
+
+
+def _rms_norm(hidden: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    return F.rms_norm(hidden, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+def _fuse_rows(first: nn.Linear, second: nn.Linear, third: nn.Linear | None, name: str) -> torch.Tensor | None:
+    """Stack the modules' ``name`` tensors along the output rows and make each module's tensor a view
+    of the stack (so the weights are stored once). None when the modules have no such tensor."""
+    modules = [m for m in (first, second, third) if m is not None]
+    parts = [getattr(m, name) for m in modules]
+    if any(p is None for p in parts):
+        return None
+    stacked = torch.cat([p.detach() for p in parts])
+    begin = 0
+    for module, part in zip(modules, parts):
+        rows = part.shape[0]
+        setattr(module, name, nn.Parameter(stacked[begin : begin + rows], requires_grad=part.requires_grad))
+        begin += rows
+    return stacked
+
+
+def fused_layer_for(layer: nn.Module, config) -> FusedLayer | None:
+    """The layer's ``FusedLayer`` (made once and kept on the layer: its weights are views), or None."""
+    existing = getattr(layer, "_fused_layer", None)
+    if existing is not None:
+        return existing
+    if not FusedLayer.supports(layer, config):
+        return None
+    fused = FusedLayer(layer, config)
+    layer._fused_layer = fused  # a plain attribute (not a submodule): no second state_dict entry
+    return fused
