@@ -111,7 +111,7 @@ def matmul_table(config, lines: list[str], layers: int) -> None:
         row = f"{name:<22}"
         for q in (1, 16, 64):
             x = torch.randn(q, in_features, dtype=torch.bfloat16, device="cuda")
-            replay = graphed(lambda x=x: [F.linear(x, w) for w in weights])
+            replay = graphed(lambda x=x, weights=weights: [F.linear(x, w) for w in weights])
             ms = median_ms(replay)
             row += f" {ms:>8.3f} {nbytes / ms / 1e6:>6.0f}"
         lines.append(row)
@@ -124,20 +124,21 @@ def main() -> int:
     parser.add_argument("--shape", default="qwen3-8b")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--no-matmuls", action="store_true", help="skip the matrix-product table")
     args = parser.parse_args()
     lines: list[str] = []
 
     source = torch.empty(2**31, dtype=torch.int16, device="cuda")
-    copy = torch.empty_like(source)
-    bandwidth = 2 * source.numel() * 2 / (median_ms(lambda: copy.copy_(source), 10) / 1e3)
-    del source, copy
+    bandwidth = 2 * source.numel() * 2 / (median_ms(lambda s=source, d=torch.empty_like(source): d.copy_(s), 10) / 1e3)
+    del source
     model = build_random_target(args.shape, torch.bfloat16, torch.device("cuda"))
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     embed_bytes = model.get_input_embeddings().weight.numel() * 2
     floor_ms = (weight_bytes - embed_bytes) / bandwidth * 1e3
     lines.append(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; weights read per forward {(weight_bytes - embed_bytes) / 1e9:.2f} GB"
                  f" (embedding table excluded) -> floor {floor_ms:.2f} ms")
-    matmul_table(model.config, lines, model.config.num_hidden_layers)
+    if not args.no_matmuls:
+        matmul_table(model.config, lines, model.config.num_hidden_layers)
 
     drafter = build_random_drafter(args.shape, model)
     prompt = torch.randint(1, model.config.vocab_size - 1, (1, args.context), device="cuda")

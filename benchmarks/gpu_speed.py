@@ -7,7 +7,8 @@ drafter (5 layers, block 16). Prints, last, one table:
 - the floor: weight bytes / measured copy bandwidth (a large device-to-device copy);
 - target verify time for q = 1..512 nodes (chain and tree masks): transformers' own forward on a
   DynamicCache (``AttentionTarget``), our loop eagerly, and our loop replaying a CUDA graph;
-- the drafter's forward (one block) and the host-side tree work per round for B = 16..1024;
+- the drafter's forward (one block), eager and as a graph, and the tree work per round for
+  B = 16..1024 (build on the GPU, unlimited and branching 8; walk; commit);
 - full rounds: AR decode step, DFlash round, DDTree rounds, eager vs graphs;
 - checks: graph outputs equal eager outputs (greedy tokens, every method).
 """
@@ -22,6 +23,7 @@ import torch
 
 from workers import ar, ddtree, dflash
 from workers.dflash import DFlashParams, draft_block
+from workers.draft_graphs import DraftGraphs
 from workers.generation import GenerationConfig
 from workers.shapes import build_random_drafter, build_random_target
 from workers.static_target import StaticTarget
@@ -53,7 +55,7 @@ def copy_bandwidth() -> float:
 
 
 def random_tree(vocab: int, nodes: int, depth: int = 15):
-    log_probs = torch.log_softmax(torch.randn(depth, vocab) * 4, dim=-1)
+    log_probs = torch.log_softmax(torch.randn(depth, vocab, device="cuda") * 4, dim=-1)
     return build_tree(log_probs, TreeParams(nodes - 1, max_depth=depth))
 
 
@@ -133,14 +135,18 @@ def main() -> int:
     bonus = prompt[0, -1:].clone()
     context = opening.taps
     draft_ms = median_ms(lambda: draft_block(drafter, graphed, cache, bonus, context[:, -1:], 15), args.reps)
-    lines.append(f"drafter forward (block {drafter.block_size}) + lm_head on 15 rows: {draft_ms:.2f} ms (eager)")
-    lines.append(f"{'B':>5} {'build ms':>9} {'to-dev ms':>10} {'walk ms':>8} {'commit ms':>10}")
+    graphs = DraftGraphs.for_run(drafter, args.context + 600)
+    draft_block(drafter, graphed, graphs, bonus, context, 15)  # the prompt's context, eagerly
+    graph_ms = median_ms(lambda: draft_block(drafter, graphed, graphs, bonus, context[:, -1:], 15), args.reps)
+    lines.append(f"drafter forward (block {drafter.block_size}) + lm_head on 15 rows: {draft_ms:.2f} ms eager, "
+                 f"{graph_ms:.2f} ms graph")
+    lines.append(f"{'B':>5} {'build ms':>9} {'B=8 ms':>7} {'walk ms':>8} {'commit ms':>10}   (tree built on the GPU)")
     draft_logits = torch.randn(15, vocab, device=device)
     for budget in BUDGETS:
         build = median_ms(lambda b=budget: build_tree(torch.log_softmax(draft_logits.float(), -1), TreeParams(b)), 5)
-        tree = build_tree(torch.log_softmax(draft_logits.float(), -1), TreeParams(budget))
-        move = median_ms(lambda t=tree: t.to(device), 5)
-        on_device = tree.to(device)
+        capped = median_ms(lambda b=budget: build_tree(torch.log_softmax(draft_logits.float(), -1),
+                                                       TreeParams(b, branching=8)), 5)
+        on_device = build_tree(torch.log_softmax(draft_logits.float(), -1), TreeParams(budget))
         choices = torch.randint(0, vocab, (budget + 1,), device=device)
         walk = median_ms(lambda t=on_device: follow_tree(t.tokens, t.parents, t.visibility, choices)[0].cpu(), 5)
         graphed.start(capacity=args.context + 1100, max_verify=budget + 1)
@@ -155,7 +161,7 @@ def main() -> int:
             torch.cuda.synchronize()
             timings.append((time.perf_counter() - begin) * 1e3)
         commit = timings[-1]
-        lines.append(f"{budget:>5} {build:>9.2f} {move:>10.2f} {walk:>8.2f} {commit:>10.2f}")
+        lines.append(f"{budget:>5} {build:>9.2f} {capped:>7.2f} {walk:>8.2f} {commit:>10.2f}")
 
     # --- whole rounds, and graph == eager -------------------------------------------------------------
     lines.append(f"{'method':>18} {'eager ms/round':>15} {'graph ms/round':>15} {'same tokens':>12}")

@@ -45,8 +45,7 @@ def generate(
         with timer.stage("draft"):
             draft_logits = draft_block(drafter, target, draft_cache, bonus, new_context, params.max_depth)
         with timer.stage("tree"):
-            host_tree = build_tree(torch.log_softmax(draft_logits.float(), dim=-1), params)  # heap runs on host
-            tree = host_tree.to(target.device)
+            tree = build_tree(torch.log_softmax(draft_logits.float(), dim=-1), params)  # on the drafter's device
         with timer.stage("verify"):
             verified = target.verify_tree(bonus[0], tree)
         with timer.stage("commit"):
@@ -59,7 +58,9 @@ def generate(
             target.commit(path)
             new_context = verified.taps[:, path.to(verified.taps.device)]
             bonus = choices[last : last + 1]
-            out.extend(host_tree.tokens[path[1:] - 1].tolist() + [int(walk[1, last])])
+            # an accepted node's token is the target's choice at its parent: the choices along the
+            # path are the accepted tokens, then the next bonus
+            out.extend(walk[1, path].tolist())
         rounds.append(int(path.shape[0]))
 
     ttft, decode = start.clock.finish()

@@ -96,6 +96,11 @@ class FusedLayer:
             and all(m.bias is None for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
         )
 
+    def is_current(self, layer: nn.Module) -> bool:
+        """Whether the layer's own weights are still views of this object's fused matrices."""
+        return (layer.self_attn.q_proj.weight.data_ptr() == self.qkv_weight.data_ptr()
+                and layer.mlp.gate_proj.weight.data_ptr() == self.gate_up_weight.data_ptr())
+
     def __call__(self, hidden: torch.Tensor, inputs: PassInputs, keys: torch.Tensor, values: torch.Tensor,
                 attend: int) -> torch.Tensor:
         """hidden [1, q, H] -> [1, q, H]; writes this pass's K/V into keys/values [1, Hkv, C, D] at inputs.slots."""
@@ -152,9 +157,12 @@ def _fuse_rows(first: nn.Linear, second: nn.Linear, third: nn.Linear | None, nam
 
 
 def fused_layer_for(layer: nn.Module, config) -> FusedLayer | None:
-    """The layer's ``FusedLayer`` (made once and kept on the layer: its weights are views), or None."""
+    """The layer's ``FusedLayer`` (made once and kept on the layer: its weights are views), or None.
+
+    Made again if the model's weights stopped being views of it (the model was moved or cast since).
+    """
     existing = getattr(layer, "_fused_layer", None)
-    if existing is not None:
+    if existing is not None and existing.is_current(layer):
         return existing
     if not FusedLayer.supports(layer, config):
         return None

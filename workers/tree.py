@@ -1,21 +1,23 @@
 """DDTree draft trees: build the tree from drafter log-probs, and follow it after verification.
 
-Both functions are pure and run on CPU in tests. The tree is indexed with the root (the bonus token,
-already committed-to-be) at 0 and the drafted nodes at 1..n in heap pop order, which is topological:
-every node's parent has a smaller index.
+Both run on whatever device the log-probs are on (the GPU in production, the CPU in tests), with
+fixed shapes for given knobs and no host read. The tree is indexed with the root (the bonus token,
+already committed-to-be) at 0 and the drafted nodes at 1..n in best-first order, which is
+topological: every node's parent has a smaller index.
 
 Best-first construction (DDTree paper, Algorithm 1): treating the drafter's per-position
 distributions as independent, the tree of n nodes that maximises expected acceptance is the set of
-the n most probable prefixes. A max-heap over (depth, rank-at-depth) pops them in order, pushing
-for each popped node its next sibling and its first child.
+the n most probable prefixes. The paper pops them from a heap one node at a time; here they are
+found one depth at a time: the best n prefixes of depth d all extend the best n of depth d-1, so
+each depth is one sort over (kept parents x top-K tokens), and one last sort merges the depths.
+Exact ties in path probability go to the shallower prefix, then to the smaller rank path
+(lexicographically), so the tree is deterministic.
 """
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 
@@ -71,68 +73,66 @@ class DraftTree:
 def build_tree(draft_log_probs: torch.Tensor, params: TreeParams) -> DraftTree:
     """draft_log_probs [L, V] (log-softmax of the drafter, one row per future position) -> DraftTree.
 
-    Ties in path probability are broken by the rank path (lexicographically smaller first), as in the
-    reference implementation, so the tree is deterministic.
+    Path log-probs are summed in float64 (root to leaf), so the order of near-equal prefixes is stable.
     """
     num_positions, vocab_size = draft_log_probs.shape
+    device = draft_log_probs.device
     depth_limit = num_positions if params.max_depth is None else min(params.max_depth, num_positions)
     top_k = min(params.budget, vocab_size)
     if params.branching is not None:
         top_k = min(top_k, params.branching)
+    top_vals, top_ids = torch.topk(draft_log_probs[:depth_limit], k=top_k, dim=-1)  # [D, K], best first
+    top_vals = top_vals.double()
 
-    # One device->host copy of the top-K table; the heap then runs on numpy scalars.
-    top_vals, top_ids = torch.topk(draft_log_probs[:depth_limit], k=top_k, dim=-1)
-    vals = top_vals.double().cpu().numpy()  # path sums in float64: the order of near-equal prefixes is stable
-    ids = top_ids.cpu().numpy()
+    # Per depth, the kept prefixes in rank-path order: path score, parent (index into the previous
+    # depth's kept list) and token. Candidates are enumerated parent-major, rank-minor, which *is*
+    # rank-path order, so a stable sort on score alone breaks exact ties by rank path.
+    scores = torch.zeros(1, dtype=torch.float64, device=device)  # the root
+    levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    for depth in range(depth_limit):
+        candidates = (scores[:, None] + top_vals[depth][None, :]).reshape(-1)  # [P*K]
+        best = torch.sort(candidates, descending=True, stable=True).indices[: params.budget]
+        kept = torch.sort(best).values  # back to rank-path order
+        scores = candidates[kept]
+        levels.append((scores, kept // top_k, top_ids[depth, kept % top_k]))
 
-    tokens = np.empty(params.budget, dtype=np.int64)
-    depths = np.empty(params.budget, dtype=np.int64)
-    parents = np.full(params.budget + 1, -1, dtype=np.int64)
-    log_probs = np.empty(params.budget, dtype=np.float64)
+    # Merge the depths: shallower first, then rank-path order, then a stable sort by score.
+    level_sizes = [level[0].numel() for level in levels]
+    offsets = [0]
+    for size in level_sizes[:-1]:
+        offsets.append(offsets[-1] + size)
+    all_scores = torch.cat([level[0] for level in levels])
+    order = torch.sort(all_scores, descending=True, stable=True).indices[: params.budget]  # node i+1 = entry order[i]
+    count = order.numel()
+    # entry -> node index (1..n); entries of parents of depth-1 entries point at the root (node 0)
+    node_of = torch.zeros(all_scores.numel() + 1, dtype=torch.long, device=device)
+    node_of[order + 1] = torch.arange(1, count + 1, device=device)
+    parent_entry = torch.cat([torch.full_like(levels[0][1], -1)] + [level[1] + offsets[d - 1] for d, level in enumerate(levels) if d > 0])
+    depth_of = torch.cat([torch.full((size,), d + 1, dtype=torch.long, device=device) for d, size in enumerate(level_sizes)])
+    tokens = torch.cat([level[2] for level in levels])
 
-    # Heap entry: (-path log-prob, rank path, parent index, depth, rank at depth, path log-prob).
-    heap = [(-vals[0, 0], (0,), 0, 1, 0, vals[0, 0])]
-    count = 0
-    while heap and count < params.budget:
-        _, ranks, parent, depth, rank, score = heapq.heappop(heap)
-        tokens[count] = ids[depth - 1, rank]
-        depths[count] = depth
-        log_probs[count] = score
-        count += 1
-        parents[count] = parent
-        node = count
-        if rank + 1 < top_k:  # next sibling: same parent, next-ranked token at this depth
-            sibling_score = score - vals[depth - 1, rank] + vals[depth - 1, rank + 1]
-            heapq.heappush(heap, (-sibling_score, ranks[:-1] + (rank + 1,), parent, depth, rank + 1, sibling_score))
-        if depth < depth_limit:  # first child: best token one level deeper
-            child_score = score + vals[depth, 0]
-            heapq.heappush(heap, (-child_score, ranks + (0,), node, depth + 1, 0, child_score))
-
-    parents_t = torch.from_numpy(parents[: count + 1])
+    parents = torch.cat((torch.full((1,), -1, dtype=torch.long, device=device), node_of[parent_entry[order] + 1]))
     return DraftTree(
-        tokens=torch.from_numpy(tokens[:count]),
-        depths=torch.from_numpy(depths[:count]),
-        parents=parents_t,
-        visibility=ancestor_matrix(parents_t, depth_limit),
-        log_probs=torch.from_numpy(log_probs[:count]),
+        tokens=tokens[order],
+        depths=depth_of[order],
+        parents=parents,
+        visibility=ancestor_matrix(parents, depth_limit),
+        log_probs=all_scores[order],
     )
 
 
 def ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     """parents [n+1] -> bool [n+1, n+1], row i marks i and all its ancestors (the root included).
 
-    Vectorised over nodes: one step up the tree per iteration, at most max_depth iterations.
+    Vectorised over nodes: each step ORs in the parent's row, so after max_depth steps every row
+    holds its whole ancestry; a fixed number of steps, no host read.
     """
     size = parents.numel()
-    visibility = torch.eye(size, dtype=torch.bool)
-    rows = torch.arange(size)
-    ancestor = parents.clone()
+    identity = torch.eye(size, dtype=torch.bool, device=parents.device)
+    parent_rows = parents.clamp(min=0)  # the root's own row stands in for its missing parent
+    visibility = identity
     for _ in range(max_depth):
-        has_ancestor = ancestor >= 0
-        if not bool(has_ancestor.any()):
-            break
-        visibility[rows[has_ancestor], ancestor[has_ancestor]] = True
-        ancestor = torch.where(has_ancestor, parents[ancestor.clamp(min=0)], ancestor)
+        visibility = identity | visibility[parent_rows]
     return visibility
 
 

@@ -99,6 +99,9 @@ def test_fused_weights_are_views_of_the_model_weights():
     with torch.no_grad():  # an in-place update of the model's weight is what the fused layer reads
         attn.k_proj.weight.add_(1.0)
     torch.testing.assert_close(fused.qkv_weight[64:96], before["self_attn.k_proj.weight"] + 1.0)
+    model.double()  # a cast (or move) makes new tensors: the next request fuses them again
+    refused = fused_layer_for(layer, model.config)
+    assert refused is not fused and refused.qkv_weight.dtype == torch.float64 and refused.is_current(layer)
 
 
 def test_unsupported_layers_keep_transformers_modules(tiny_hybrid):

@@ -99,8 +99,9 @@ def brute_force_log_probs(log_probs: torch.Tensor, params: TreeParams) -> np.nda
 def reference_tree(log_probs: torch.Tensor, budget: int) -> tuple[list[int], list[int], list[int]]:
     """The DDTree paper's best-first algorithm, written out plainly (default knobs).
 
-    Heap of (-score, rank path, parent, depth, rank); pop -> add node; push the next sibling (same
+    Heap of (-score, depth, rank path, parent, rank); pop -> add node; push the next sibling (same
     depth, next rank) and the first child (next depth, rank 0). Depth limit = L, top-K = min(B, V).
+    Exact score ties go to the shallower prefix, then the smaller rank path (``build_tree``'s rule).
     Scores are recomputed from the rank path from scratch (no incremental update).
     """
     lp = log_probs.double().tolist()
@@ -112,19 +113,19 @@ def reference_tree(log_probs: torch.Tensor, budget: int) -> tuple[list[int], lis
         return sum(lp[d][ranked[d][r]] for d, r in enumerate(ranks))
 
     tokens, depths, parents = [], [], [-1]
-    heap = [(-score((0,)), (0,), 0, 1, 0)]
+    heap = [(-score((0,)), 1, (0,), 0, 0)]
     while heap and len(tokens) < budget:
-        _, ranks, parent, depth, rank = heapq.heappop(heap)
+        _, depth, ranks, parent, rank = heapq.heappop(heap)
         tokens.append(ranked[depth - 1][rank])
         depths.append(depth)
         parents.append(parent)
         me = len(tokens)
         if rank + 1 < top_k:
             sibling = ranks[:-1] + (rank + 1,)
-            heapq.heappush(heap, (-score(sibling), sibling, parent, depth, rank + 1))
+            heapq.heappush(heap, (-score(sibling), depth, sibling, parent, rank + 1))
         if depth < num_positions:
             child = ranks + (0,)
-            heapq.heappush(heap, (-score(child), child, me, depth + 1, 0))
+            heapq.heappush(heap, (-score(child), depth + 1, child, me, 0))
     return tokens, depths, parents
 
 
@@ -298,8 +299,9 @@ def test_full_caps_equal_reference():
         assert capped.parents.tolist() == parents
 
 
-def test_exact_ties_broken_by_rank_path_like_reference():
-    """Integer log-probs make many path sums tie exactly; the rank path decides, as in the reference."""
+def test_exact_ties_broken_by_depth_then_rank_path_like_reference():
+    """Integer log-probs (0 included) make many path sums tie exactly, within a depth and across
+    depths; the shallower prefix, then the smaller rank path, decides, as in the reference heap."""
     rng = random.Random(11)
     for _ in range(60):
         num_positions, vocab = rng.randint(1, 5), rng.randint(2, 6)
