@@ -12,7 +12,7 @@ from workers import ar, ddtree, dflash
 from workers.dflash import DFlashParams
 from workers.generation import GenerationConfig
 from workers.static_target import StaticTarget
-from workers.tree import TreeParams
+from workers.tree import TreeParams, build_tree
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,3 +44,18 @@ def test_graph_replay_equals_eager_token_for_token(request, name):
         assert graphed.graphs and graphed._graphs and graphed._commit_graphs, "nothing was captured"
         assert drafter._draft_graphs.graphs, "the drafter pass was never captured"
     assert accepted > 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tree_built_on_the_gpu_equals_the_cpu_tree(seed):
+    """build_tree runs where the drafter's logits are: the GPU's sorts must give the CPU's tree,
+    exact ties of path sums included (each row a permutation of 0, -1, -2, ...: distinct tokens
+    per row, so torch.topk's order is defined, but many equal sums across rows)."""
+    generator = torch.Generator().manual_seed(seed)
+    log_probs = torch.log_softmax(torch.randn(15, 3000, generator=generator) * 3, dim=-1)
+    if seed % 2:
+        log_probs = -torch.stack([torch.randperm(3000, generator=generator) for _ in range(15)]).float()
+    for params in (TreeParams(16), TreeParams(300, max_depth=7), TreeParams(1024, branching=8)):
+        cpu, gpu = build_tree(log_probs, params), build_tree(log_probs.cuda(), params)
+        for name in ("tokens", "depths", "parents", "visibility", "log_probs"):
+            assert torch.equal(getattr(cpu, name), getattr(gpu, name).cpu()), (name, params)
