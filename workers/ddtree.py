@@ -45,7 +45,10 @@ def generate(
         with timer.stage("draft"):
             draft_logits = draft_block(drafter, target, draft_cache, bonus, new_context, params.max_depth)
         with timer.stage("tree"):
-            tree = build_tree(torch.log_softmax(draft_logits.float(), dim=-1), params)  # on the drafter's device
+            if hasattr(draft_cache, "build_tree"):  # DraftGraphs: replayed from a CUDA graph
+                tree = draft_cache.build_tree(draft_logits, params)
+            else:  # on the drafter's device
+                tree = build_tree(torch.log_softmax(draft_logits.float(), dim=-1), params)
         with timer.stage("verify"):
             verified = target.verify_tree(bonus[0], tree)
         with timer.stage("commit"):

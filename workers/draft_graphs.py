@@ -5,6 +5,7 @@ them) plus the block [bonus, MASK...]. ``DraftGraphs`` keeps static input buffer
 cache for the whole run (graphs hold its addresses, so it is reused across prompts), captures
 ``DFlashDrafter.forward_at`` + the target's lm_head for each new-context length the first time it
 is seen, and replays it after. Longer new contexts (the prompt, once per generation) run eagerly.
+DDTree's tree build is captured here too (per tree knobs), since it follows every drafter pass.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from workers.drafter import DFlashDrafter
-from workers.graph_cache import GraphCache
+from workers.graph_cache import GraphCache, capture
+from workers.tree import DraftTree, TreeParams, build_tree
 
 
 class DraftGraphs:
@@ -27,6 +29,9 @@ class DraftGraphs:
         self.length = torch.zeros((), dtype=torch.long, device=weight.device)
         # by (new-context length, rows): up to block_size lengths for each of a few drafting depths
         self.graphs = GraphCache(3 * drafter.block_size)
+        # DDTree's tree build from the draft logits, by (tree knobs, logits shape): sorts and gathers
+        # of fixed shapes, ~150 small kernels that cost ~5 ms to launch one by one from Python
+        self.tree_graphs = GraphCache(4)
 
     @classmethod
     def for_run(cls, drafter: DFlashDrafter, capacity: int) -> DraftGraphs:
@@ -54,19 +59,24 @@ class DraftGraphs:
         self.cache.length += num_new
         return logits
 
+    def build_tree(self, draft_logits: torch.Tensor, params: TreeParams) -> DraftTree:
+        """``build_tree(log_softmax(draft_logits))`` replayed from a graph (static outputs, valid
+        until the next call)."""
+        key = (params, tuple(draft_logits.shape), draft_logits.dtype)
+        if key not in self.tree_graphs:
+            logits = draft_logits.clone()
+            graph, tree = capture(lambda: build_tree(torch.log_softmax(logits.float(), dim=-1), params))
+            self.tree_graphs[key] = (logits, graph, tree)
+        logits, graph, tree = self.tree_graphs[key]
+        logits.copy_(draft_logits)
+        graph.replay()
+        return tree
+
     def _pass(self, drafter: DFlashDrafter, target, num_new: int, rows: int) -> torch.Tensor:
         embeds = target.model.get_input_embeddings()(self.block_ids)
         hidden = drafter.forward_at(embeds, self.context[:, :num_new], self.cache, self.length)
         return target.model.get_output_embeddings()(hidden[0, 1 : 1 + rows])
 
     def _capture(self, drafter: DFlashDrafter, target, num_new: int, rows: int):
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-ups rewrite the same context K/V into the same slots
-            for _ in range(2):
-                self._pass(drafter, target, num_new, rows)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = self._pass(drafter, target, num_new, rows)
-        return graph, logits
+        # the warm-ups rewrite the same context K/V into the same slots
+        return capture(lambda: self._pass(drafter, target, num_new, rows))

@@ -40,3 +40,24 @@ class GraphCache:
 
     def keys(self) -> list[Hashable]:
         return list(self._entries)
+
+
+def capture(fn: Callable[[], Any]) -> tuple[Any, Any]:
+    """Record ``fn`` (reading and writing only tensors at fixed addresses) as a CUDA graph.
+
+    Two warm-up calls run first on a side stream (lazy initialisation, allocator and library
+    workspaces), as torch's graph capture requires. Returns (graph, fn's outputs as recorded); each
+    ``graph.replay()`` recomputes those outputs in place.
+    """
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph, outputs

@@ -46,7 +46,7 @@ from workers.deltanet import (
 )
 from workers.errors import UnsupportedModelError
 from workers.fused_layer import PassInputs, fused_layer_for
-from workers.graph_cache import GraphCache
+from workers.graph_cache import GraphCache, capture
 from workers.target import VerifyOutput, check_supported, text_config
 from workers.tree import DraftTree
 
@@ -287,17 +287,10 @@ class StaticTarget:
         return out
 
     def _capture(self, q: int):
-        """Record the width-q pass reading the static inputs (after two warm-up runs on a side stream)."""
+        """Record the width-q pass reading the static inputs; returns (graph, outputs, pending, state bytes)."""
         static = (self._ids[:q], self._depths[:q], self._parents[:q], self._visible[:q, :q])
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-ups write K/V only after the committed past, which is free space
-                self._forward(*static, last_only=False, attend=self.capacity)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self._forward(*static, last_only=False, attend=self.capacity)
+        # the warm-ups write K/V only after the committed past, which is free space
+        graph, out = capture(lambda: self._forward(*static, last_only=False, attend=self.capacity))
         return graph, out, dict(self.pending), self.state_bytes
 
     def _forward(self, ids, depths, parents, visible, last_only: bool, attend: int | None = None) -> VerifyOutput:

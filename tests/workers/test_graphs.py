@@ -59,3 +59,20 @@ def test_tree_built_on_the_gpu_equals_the_cpu_tree(seed):
         cpu, gpu = build_tree(log_probs, params), build_tree(log_probs.cuda(), params)
         for name in ("tokens", "depths", "parents", "visibility", "log_probs"):
             assert torch.equal(getattr(cpu, name), getattr(gpu, name).cpu()), (name, params)
+
+
+def test_replayed_tree_build_equals_the_eager_build(tiny):
+    """DraftGraphs.build_tree replays one captured graph per tree knobs: every replay must give
+    build_tree's tree for the new logits (not the captured call's)."""
+    from workers.draft_graphs import DraftGraphs
+
+    drafter = copy.deepcopy(tiny.drafter).cuda()
+    graphs = DraftGraphs.for_run(drafter, 64)
+    generator = torch.Generator().manual_seed(0)
+    for params in (TreeParams(16), TreeParams(40, max_depth=5, branching=3)):
+        for _ in range(3):
+            logits = (torch.randn(15, 300, generator=generator) * 3).cuda()
+            want = build_tree(torch.log_softmax(logits, dim=-1), params)
+            got = graphs.build_tree(logits, params)
+            for name in ("tokens", "depths", "parents", "visibility", "log_probs"):
+                assert torch.equal(getattr(want, name), getattr(got, name)), (name, params)
