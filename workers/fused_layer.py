@@ -67,7 +67,7 @@ class FusedLayer:
         self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.o_proj, self.down_proj = attn.o_proj, mlp.down_proj
         self.intermediate = mlp.gate_proj.out_features
-        with torch.no_grad(), torch.inference_mode(False):
+        with torch.inference_mode(False), torch.no_grad():  # (this order: inference_mode(False) enables grad)
             self.qkv_weight = _fuse_rows(attn.q_proj, attn.k_proj, attn.v_proj, "weight")
             self.qkv_bias = _fuse_rows(attn.q_proj, attn.k_proj, attn.v_proj, "bias")
             self.gate_up_weight = _fuse_rows(mlp.gate_proj, mlp.up_proj, None, "weight")

@@ -9,13 +9,14 @@ Best-first construction (DDTree paper, Algorithm 1): treating the drafter's per-
 distributions as independent, the tree of n nodes that maximises expected acceptance is the set of
 the n most probable prefixes. The paper pops them from a heap one node at a time; here they are
 found one depth at a time: the best n prefixes of depth d all extend the best n of depth d-1, so
-each depth is one sort over (kept parents x top-K tokens), and one last sort merges the depths.
-Exact ties in path probability go to the shallower prefix, then to the smaller rank path
-(lexicographically), so the tree is deterministic.
+each depth is one sort over (kept parent, top-K token) pairs, and one last sort merges the depths.
+Exact ties in path probability go to the shallower prefix, then to the child of the better-placed
+parent, then to the better-ranked token, so the tree is deterministic.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -84,17 +85,17 @@ def build_tree(draft_log_probs: torch.Tensor, params: TreeParams) -> DraftTree:
     top_vals, top_ids = torch.topk(draft_log_probs[:depth_limit], k=top_k, dim=-1)  # [D, K], best first
     top_vals = top_vals.double()
 
-    # Per depth, the kept prefixes in rank-path order: path score, parent (index into the previous
-    # depth's kept list) and token. Candidates are enumerated parent-major, rank-minor, which *is*
-    # rank-path order, so a stable sort on score alone breaks exact ties by rank path.
+    # Per depth, the kept prefixes best first: path score, parent (index into the previous depth's
+    # kept list, also best first) and token. Candidates are enumerated parent-major, rank-minor, so a
+    # stable sort on score alone breaks exact ties by (parent, rank).
     scores = torch.zeros(1, dtype=torch.float64, device=device)  # the root
     levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for depth in range(depth_limit):
-        candidates = (scores[:, None] + top_vals[depth][None, :]).reshape(-1)  # [P*K]
+        parent, rank = _candidate_pairs(scores.numel(), top_k, params.budget, device)
+        candidates = scores[parent] + top_vals[depth, rank]  # [C]
         best = torch.sort(candidates, descending=True, stable=True).indices[: params.budget]
-        kept = torch.sort(best).values  # back to rank-path order
-        scores = candidates[kept]
-        levels.append((scores, kept // top_k, top_ids[depth, kept % top_k]))
+        scores = candidates[best]
+        levels.append((scores, parent[best], top_ids[depth, rank[best]]))
 
     # Merge the depths: shallower first, then rank-path order, then a stable sort by score.
     level_sizes = [level[0].numel() for level in levels]
@@ -119,6 +120,20 @@ def build_tree(draft_log_probs: torch.Tensor, params: TreeParams) -> DraftTree:
         visibility=ancestor_matrix(parents, depth_limit),
         log_probs=all_scores[order],
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _candidate_pairs(num_parents: int, top_k: int, budget: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(parent, rank) of the children that can be among a depth's best ``budget``, parent-major.
+
+    With parents and tokens each sorted best first, child (j, r) is beaten by every (j' <= j, r' <= r)
+    (no lower score, earlier on ties): if there are more than ``budget`` of those, (j+1)(r+1) > budget,
+    it cannot make the cut. This keeps ~budget * ln(budget) candidates instead of budget * K. Cached
+    (the first call of a captured tree build runs outside the capture, so no copy happens inside it).
+    """
+    pairs = [(j, r) for j in range(num_parents) for r in range(min(top_k, budget // (j + 1)))]
+    parent, rank = torch.tensor(pairs, dtype=torch.long).T
+    return parent.to(device), rank.to(device)
 
 
 def ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:

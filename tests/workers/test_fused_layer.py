@@ -123,3 +123,20 @@ def test_both_attention_branches_agree(monkeypatch, rows):
     torch.testing.assert_close(small, large, atol=1e-5, rtol=1e-5)
     weights = torch.softmax(query @ key.transpose(1, 2) * 0.25 + mask, dim=-1)
     torch.testing.assert_close(small, weights @ value, atol=1e-5, rtol=1e-5)
+
+
+def test_a_fused_model_can_be_deep_copied_and_the_copy_fuses_itself():
+    """Fusing under inference mode (as a worker does) must leave plain leaf tensors behind."""
+    import copy
+
+    model = random_model("qwen3", 1)
+    with torch.inference_mode():
+        StaticTarget(model)
+    clone = copy.deepcopy(model)
+    target = StaticTarget(clone)
+    assert all(f.is_current(layer) for f, layer in zip(target.fused.values(), clone.model.layers))
+    prompt = torch.tensor([[5, 7, 11, 13]])
+    target.start(capacity=16, max_verify=4)
+    with torch.no_grad():
+        torch.testing.assert_close(target.prefill(prompt).logits[0], plain_logits(model, prompt[0].tolist()),
+                                   atol=2e-5, rtol=1e-5)

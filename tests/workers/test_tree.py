@@ -99,10 +99,11 @@ def brute_force_log_probs(log_probs: torch.Tensor, params: TreeParams) -> np.nda
 def reference_tree(log_probs: torch.Tensor, budget: int) -> tuple[list[int], list[int], list[int]]:
     """The DDTree paper's best-first algorithm, written out plainly (default knobs).
 
-    Heap of (-score, depth, rank path, parent, rank); pop -> add node; push the next sibling (same
+    Heap of (-score, depth, parent's place, rank, ...); pop -> add node; push the next sibling (same
     depth, next rank) and the first child (next depth, rank 0). Depth limit = L, top-K = min(B, V).
-    Exact score ties go to the shallower prefix, then the smaller rank path (``build_tree``'s rule).
-    Scores are recomputed from the rank path from scratch (no incremental update).
+    Exact score ties go to the shallower prefix, then to the child of the parent popped earlier
+    among its depth, then to the better rank (``build_tree``'s rule). Scores are recomputed from the
+    rank path from scratch (no incremental update).
     """
     lp = log_probs.double().tolist()
     num_positions, vocab = len(lp), len(lp[0])
@@ -112,20 +113,23 @@ def reference_tree(log_probs: torch.Tensor, budget: int) -> tuple[list[int], lis
     def score(ranks: tuple[int, ...]) -> float:
         return sum(lp[d][ranked[d][r]] for d, r in enumerate(ranks))
 
-    tokens, depths, parents = [], [], [-1]
-    heap = [(-score((0,)), 1, (0,), 0, 0)]
+    tokens, depths, parents, places = [], [], [-1], [0]  # places[i]: pop order of node i within its depth
+    popped_at_depth = [0] * (num_positions + 1)
+    heap = [(-score((0,)), 1, 0, 0, (0,), 0)]  # (-score, depth, parent's place, rank, rank path, parent)
     while heap and len(tokens) < budget:
-        _, depth, ranks, parent, rank = heapq.heappop(heap)
+        _, depth, parent_place, rank, ranks, parent = heapq.heappop(heap)
         tokens.append(ranked[depth - 1][rank])
         depths.append(depth)
         parents.append(parent)
+        places.append(popped_at_depth[depth])
+        popped_at_depth[depth] += 1
         me = len(tokens)
         if rank + 1 < top_k:
             sibling = ranks[:-1] + (rank + 1,)
-            heapq.heappush(heap, (-score(sibling), depth, sibling, parent, rank + 1))
+            heapq.heappush(heap, (-score(sibling), depth, parent_place, rank + 1, sibling, parent))
         if depth < num_positions:
             child = ranks + (0,)
-            heapq.heappush(heap, (-score(child), depth + 1, child, me, 0))
+            heapq.heappush(heap, (-score(child), depth + 1, places[me], 0, child, me))
     return tokens, depths, parents
 
 
@@ -299,9 +303,10 @@ def test_full_caps_equal_reference():
         assert capped.parents.tolist() == parents
 
 
-def test_exact_ties_broken_by_depth_then_rank_path_like_reference():
+def test_exact_ties_broken_like_reference():
     """Integer log-probs (0 included) make many path sums tie exactly, within a depth and across
-    depths; the shallower prefix, then the smaller rank path, decides, as in the reference heap."""
+    depths; the shallower prefix, then the better-placed parent, then the better rank decides, as in
+    the reference heap."""
     rng = random.Random(11)
     for _ in range(60):
         num_positions, vocab = rng.randint(1, 5), rng.randint(2, 6)
