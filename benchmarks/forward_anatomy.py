@@ -9,7 +9,7 @@ Random weights of a named shape in bf16 on one GPU. Prints:
 - kernel time of a graph-replayed verify pass (q = 1 and 64) by kind: matmul, attention, copies /
   indexing, reductions, other elementwise; and the top kernels;
 - the same for the layers under torch.compile (``--compile``);
-- the drafter pass: eager vs its CUDA graph.
+- the drafter pass: eager vs its CUDA graph; the tree build's graph at B = 16 and 256.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from workers.dflash import draft_block
 from workers.draft_graphs import DraftGraphs
 from workers.shapes import build_random_drafter, build_random_target
 from workers.static_target import StaticTarget
+from workers.tree import TreeParams
 
 KINDS = (
     ("matmul", ("gemv", "gemm", "nvjet", "cutlass", "sm90_", "xmma", "splitk")),
@@ -173,6 +174,11 @@ def main() -> int:
     lines.append(f"drafter pass (4 new context tokens, 15 rows): eager {eager_ms:.2f} ms, graph {graph_ms:.2f} ms")
     kernel_breakdown(lambda: (draft_block(drafter, target, graphs, bonus, opening.taps[:, -4:], 15),
                               setattr(graphs.cache, "length", graphs.cache.length - 4)), "drafter graph", lines)
+    draft_logits = torch.randn(15, model.config.vocab_size, device="cuda")
+    for budget in (16, 256):
+        tree_ms = median_ms(lambda b=budget: graphs.build_tree(draft_logits, TreeParams(b)))
+        lines.append(f"tree build B={budget} (graph replay): {tree_ms:.2f} ms")
+        kernel_breakdown(lambda b=budget: graphs.build_tree(draft_logits, TreeParams(b)), f"tree build B={budget}", lines)
     print("\n".join(lines))
     return 0
 
