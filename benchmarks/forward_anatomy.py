@@ -15,12 +15,12 @@ Random weights of a named shape in bf16 on one GPU. Prints:
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
+from gpu_speed import median_ms  # a sibling script: benchmarks/ is on sys.path
 from torch.profiler import ProfilerActivity, profile
 
 from workers.dflash import draft_block
@@ -43,18 +43,6 @@ def kind_of(name: str) -> str:
         if any(needle in lowered for needle in needles):
             return kind
     return "elementwise/other"
-
-
-def median_ms(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        begin = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(samples)
 
 
 def graphed(fn):

@@ -34,7 +34,7 @@ QS = (1, 16, 64, 128, 256, 512)
 BUDGETS = (16, 64, 256, 1024)
 
 
-def median_ms(fn, reps: int) -> float:
+def median_ms(fn, reps: int = 20) -> float:
     fn()
     torch.cuda.synchronize()
     samples = []
