@@ -67,12 +67,13 @@ class _KVBuffers:
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self.stacks: list[torch.Tensor] = []  # one per device, slots on dim 4
+        self.pairs: dict[int, torch.Tensor] = {}  # layer id -> its [2, 1, kv_heads, capacity, D]
         for device in dict.fromkeys(layer_devices.values()):
             ids = [i for i, d in layer_devices.items() if d == device]
             stack = torch.zeros((len(ids), 2, *shape), dtype=dtype, device=device)
             self.stacks.append(stack)
             for j, i in enumerate(ids):
-                self.keys[i], self.values[i] = stack[j, 0], stack[j, 1]
+                self.keys[i], self.values[i], self.pairs[i] = stack[j, 0], stack[j, 1], stack[j]
         self.slots: torch.Tensor | None = None
         self.attend = 0
 
@@ -335,8 +336,7 @@ class StaticTarget:
             hidden = hidden.to(self.layer_devices[i])
             fused = self.fused.get(i)
             if fused is not None:
-                hidden = fused(hidden, per_device.fused_on(self.layer_devices[i]), self.kv.keys[i], self.kv.values[i],
-                               self.kv.attend)
+                hidden = fused(hidden, per_device.fused_on(self.layer_devices[i]), self.kv.pairs[i], self.kv.attend)
                 if i in self.tap_layer_ids:
                     captured[i] = hidden
                 continue
