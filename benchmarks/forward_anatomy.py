@@ -9,7 +9,8 @@ Random weights of a named shape in bf16 on one GPU. Prints:
 - kernel time of a graph-replayed verify pass (q = 1 and 64) by kind: matmul, attention, copies /
   indexing, reductions, other elementwise; and the top kernels;
 - the same for the layers under torch.compile (``--compile``);
-- the drafter pass: eager vs its CUDA graph; the tree build's graph at B = 16 and 256.
+- the drafter pass: eager vs its CUDA graph; the tree build's graph at B = 16 and 256;
+- whole DDTree generations (B = 16, 64, 256): wall time per round against GPU kernel time.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ import torch.nn.functional as F
 from gpu_speed import median_ms  # a sibling script: benchmarks/ is on sys.path
 from torch.profiler import ProfilerActivity, profile
 
+from workers import ddtree
 from workers.dflash import draft_block
 from workers.draft_graphs import DraftGraphs
+from workers.generation import GenerationConfig
 from workers.shapes import build_random_drafter, build_random_target
 from workers.static_target import StaticTarget
 from workers.tree import TreeParams
@@ -167,6 +170,20 @@ def main() -> int:
         tree_ms = median_ms(lambda b=budget: graphs.build_tree(draft_logits, TreeParams(b)))
         lines.append(f"tree build B={budget} (graph replay): {tree_ms:.2f} ms")
         kernel_breakdown(lambda b=budget: graphs.build_tree(draft_logits, TreeParams(b)), f"tree build B={budget}", lines)
+    # a whole DDTree generation: GPU kernel time per round vs wall time per round (the gap is the
+    # GPU waiting on Python and on the round's one host read)
+    config = GenerationConfig(max_new_tokens=96)
+    for budget in (16, 64, 256):
+        params = TreeParams(budget)
+        run = lambda p=params: ddtree.generate(target, drafter, prompt, config, p)  # noqa: E731
+        run()
+        begin = time.perf_counter()
+        out = run()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - begin) * 1e3
+        lines.append(f"DDTree B={budget}: {out.num_rounds} rounds, {wall / out.num_rounds:.2f} ms per round wall "
+                     f"(prefill included: {wall:.1f} ms in all)")
+        kernel_breakdown(run, f"DDTree B={budget} whole generation ({out.num_rounds} rounds)", lines, top=10)
     print("\n".join(lines))
     return 0
 

@@ -3,8 +3,9 @@
 With grouped-query attention (e.g. 32 query heads over 8 K/V heads) and an explicit mask,
 transformers' SDPA path repeats K and V for every query head (``repeat_kv``): on Qwen3-8B that is a
 25 MB copy per layer and per tensor, a fifth of a decode step's GPU time. At batch 1 the query heads
-of a group can instead be folded into the query length: [1, Hq, q, D] -> [1, Hkv, g*q, D], one
-SDPA call over the original K/V, with the mask repeated per folded row.
+of a group can instead be folded into the query length: [1, Hq, q, D] -> [Hkv, g*q, D], one
+attention over the original K/V, with the mask repeated per folded row (``attend_folded``: batched
+products for few rows, SDPA for many).
 
 ``NO_CUDNN`` leaves out cuDNN's SDPA: it builds a new execution plan for every new K/V length (13 ms
 each on an H200), which the drafter, whose context grows every round, would pay every round. The
@@ -21,6 +22,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# above this many folded query rows (query heads per K/V head x queries) one fused SDPA kernel wins
+SMALL_ATTENTION_ROWS = 512
 
 
 def grouped_attention(
@@ -29,17 +32,36 @@ def grouped_attention(
     value: torch.Tensor,  # [1, Hkv, C, D]
     mask: torch.Tensor | None = None,  # additive [1, 1, q, C]; None = every key visible
     scale: float | None = None,
-    backends: list[SDPBackend] | None = None,  # None: torch's own choice
+    backends: list[SDPBackend] | None = None,  # for the fused SDPA kernel; None: torch's own choice
 ) -> torch.Tensor:
     """Softmax attention -> [1, Hq, q, D]; query head h reads K/V head h // (Hq / Hkv)."""
     _, query_heads, length, dim = query.shape
     groups = query_heads // key.shape[1]
-    folded = query.reshape(1, key.shape[1], groups * length, dim)  # row r*q + t = head (kv*g + r), token t
+    folded = query.reshape(key.shape[1], groups * length, dim)  # row r*q + t = head (kv*g + r), token t
     if mask is not None:
-        mask = mask.expand(1, 1, length, -1).repeat(1, 1, groups, 1)
-    with sdpa_kernel(backends) if backends else contextlib.nullcontext():
-        out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scale)
+        mask = mask.reshape(-1, mask.shape[-1]).expand(length, -1).repeat(groups, 1)
+    scale = dim**-0.5 if scale is None else scale
+    out = attend_folded(folded, key[0], value[0], mask, scale, backends)
     return out.reshape(1, query_heads, length, dim)
+
+
+def attend_folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                  scale: float, backends: list[SDPBackend] | None = None) -> torch.Tensor:
+    """Softmax attention of folded rows: query [Hkv, R, D] over key/value [Hkv, C, D] with an
+    additive mask [R, C] (None: all visible) -> [Hkv, R, D].
+
+    Few rows: scores by one batched product and softmax (accumulated in float32, as transformers'
+    eager attention), three kernels of a few microseconds; fused SDPA kernels take ~45 (cuDNN) to
+    ~95 (memory-efficient) microseconds per call for a handful of rows on an H200. Many rows: SDPA.
+    """
+    if query.shape[1] > SMALL_ATTENTION_ROWS:
+        with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(query[None], key[None], value[None], attn_mask=mask, scale=scale)[0]
+    if mask is None:
+        scores = torch.bmm(query, key.transpose(1, 2)).mul_(scale)
+    else:
+        scores = torch.baddbmm(mask, query, key.transpose(1, 2), alpha=scale)  # [Hkv, R, C]
+    return torch.bmm(torch.softmax(scores, dim=-1), value)  # (half-precision softmax accumulates in float32)
 
 
 def _transformers_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):

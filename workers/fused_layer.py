@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.attention import attend_folded
+
 # transformers' RMSNorm classes computing weight * (x * rsqrt(mean(x^2) + eps)) (not 1 + weight)
 PLAIN_NORMS = frozenset({"Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm"})
-# above this many folded query rows (query heads per K/V head x nodes) one fused SDPA kernel wins
-SMALL_ATTENTION_ROWS = 512
 
 
 @dataclass
@@ -121,17 +121,6 @@ class FusedLayer:
         gate_up = F.linear(_rms_norm(residual, self.post_norm), self.gate_up_weight)
         activated = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
         return _linear_plus(residual, activated, self.down_proj).unsqueeze(0)
-
-
-def attend_folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                  scale: float) -> torch.Tensor:
-    """Softmax attention of folded rows: query [Hkv, R, D] over key/value [Hkv, C, D] with an
-    additive mask [R, C] -> [Hkv, R, D]. Few rows: scores by one batched product, softmax in
-    float32 (as transformers' eager attention); many rows: torch's fused SDPA."""
-    if query.shape[1] > SMALL_ATTENTION_ROWS:
-        return F.scaled_dot_product_attention(query[None], key[None], value[None], attn_mask=mask, scale=scale)[0]
-    scores = torch.baddbmm(mask, query, key.transpose(1, 2), alpha=scale)  # [Hkv, R, C]
-    return torch.bmm(torch.softmax(scores, dim=-1), value)  # (half-precision softmax accumulates in float32)
 
 
 def _linear_plus(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:

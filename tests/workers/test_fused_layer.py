@@ -13,8 +13,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from workers import fused_layer
-from workers.fused_layer import FusedLayer, attend_folded, fused_layer_for
+from workers import attention
+from workers.attention import attend_folded, grouped_attention
+from workers.fused_layer import FusedLayer, fused_layer_for
 from workers.static_target import StaticTarget
 from workers.tree import TreeParams, build_tree
 
@@ -116,13 +117,25 @@ def test_both_attention_branches_agree(monkeypatch, rows):
     query, key, value = (torch.randn(2, n, 16, generator=generator) for n in (rows, 40, 40))
     mask = torch.where(torch.rand(rows, 40, generator=generator) < 0.3, torch.finfo(torch.float32).min, 0.0)
     mask[:, 0] = 0.0  # every row sees something
-    monkeypatch.setattr(fused_layer, "SMALL_ATTENTION_ROWS", 10**6)
-    small = attend_folded(query, key, value, mask, 0.25)
-    monkeypatch.setattr(fused_layer, "SMALL_ATTENTION_ROWS", 0)
-    large = attend_folded(query, key, value, mask, 0.25)
-    torch.testing.assert_close(small, large, atol=1e-5, rtol=1e-5)
-    weights = torch.softmax(query @ key.transpose(1, 2) * 0.25 + mask, dim=-1)
-    torch.testing.assert_close(small, weights @ value, atol=1e-5, rtol=1e-5)
+    naive = torch.softmax(query @ key.transpose(1, 2) * 0.25 + mask, dim=-1) @ value
+    naive_unmasked = torch.softmax(query @ key.transpose(1, 2) * 0.25, dim=-1) @ value
+    for rows_limit in (10**6, 0):  # the batched-product branch, then SDPA's
+        monkeypatch.setattr(attention, "SMALL_ATTENTION_ROWS", rows_limit)
+        torch.testing.assert_close(attend_folded(query, key, value, mask, 0.25), naive, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(attend_folded(query, key, value, None, 0.25), naive_unmasked, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("length", [1, 3])
+def test_grouped_attention_equals_attention_with_repeated_heads(length):
+    """Folding 4 query heads per K/V head into rows = repeating each K/V head 4 times (transformers' way)."""
+    generator = torch.Generator().manual_seed(length)
+    query, key, value = torch.randn(1, 8, length, 16, generator=generator), *torch.randn(2, 1, 2, 10, 16, generator=generator)
+    mask = torch.zeros(1, 1, length, 10)
+    mask[..., -1] = torch.finfo(torch.float32).min
+    repeated_key, repeated_value = key.repeat_interleave(4, dim=1), value.repeat_interleave(4, dim=1)
+    for m in (mask, None):
+        want = torch.nn.functional.scaled_dot_product_attention(query, repeated_key, repeated_value, attn_mask=m)
+        torch.testing.assert_close(grouped_attention(query, key, value, m), want, atol=1e-5, rtol=1e-5)
 
 
 def test_a_fused_model_can_be_deep_copied_and_the_copy_fuses_itself():
