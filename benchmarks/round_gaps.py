@@ -1,0 +1,116 @@
+"""Where the GPU waits during decoding rounds: idle gaps between kernels, by the stage that ends them.
+
+    python benchmarks/round_gaps.py [--shape qwen3-8b] [--budget 64] [--method ddtree]
+
+Random weights of a named shape in bf16 on one GPU, CUDA graphs on, a short prompt (so the prefill
+is small) and 96 new tokens. The generation runs once to capture every graph, then again under
+torch.profiler with each engine stage annotated (``record_function``, no synchronisation). Prints
+the decode wall time per round, the GPU's kernel time per round, and the idle gaps between
+consecutive kernels summed by the stage whose launch ended them (the host work that stage did
+before its first kernel is what the GPU waited for).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from workers import ar, ddtree, dflash
+from workers.dflash import DFlashParams
+from workers.generation import GenerationConfig
+from workers.shapes import build_random_drafter, build_random_target
+from workers.static_target import StaticTarget
+from workers.tree import TreeParams
+
+
+class AnnotatingTimer:
+    """The engines' timer interface: marks each stage in the profiler trace, adds no sync."""
+
+    totals: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str):
+        with record_function(f"stage:{name}"):
+            yield
+
+
+def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> tuple[float, float, dict[str, list[float]]]:
+    """(kernel time us, span us, {stage: [gap us...]}) from a chrome trace: each gap before a kernel
+    is charged to the annotated stage that was open on the host when that kernel was launched."""
+    events = trace["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    stages = sorted(((e["ts"], e["ts"] + e["dur"], e["name"][6:]) for e in events
+                     if e.get("cat") == "user_annotation" and e["name"].startswith("stage:")))
+
+    def stage_at(ts: float) -> str:
+        for begin, end, name in stages:
+            if begin <= ts <= end:
+                return name
+        return "between stages"
+
+    busy, gaps = 0.0, defaultdict(list)
+    for previous, kernel in zip(kernels, kernels[1:]):
+        busy += kernel["dur"]
+        gap = kernel["ts"] - (previous["ts"] + previous["dur"])
+        if gap >= min_gap_us:
+            launch = launches.get(kernel.get("args", {}).get("correlation"))
+            gaps[stage_at(launch["ts"]) if launch else "unknown"].append(gap)
+    span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"] if kernels else 0.0
+    return busy, span, gaps
+
+
+@torch.inference_mode()
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen3-8b")
+    parser.add_argument("--method", choices=("ar", "dflash", "ddtree"), default="ddtree")
+    parser.add_argument("--budget", type=int, action="append", help="DDTree budget (repeatable; default 16, 64, 256)")
+    args = parser.parse_args()
+    model = build_random_target(args.shape, torch.bfloat16, torch.device("cuda"))
+    drafter = build_random_drafter(args.shape, model)
+    target = StaticTarget(model, drafter.spec.target_layer_ids, graphs=True)
+    prompt = torch.randint(1, model.config.vocab_size - 1, (1, 64), device="cuda")
+    config = GenerationConfig(max_new_tokens=96)
+    if args.method == "ddtree":
+        cases = [(f"ddtree B={b}", ddtree.generate, TreeParams(b)) for b in (args.budget or [16, 64, 256])]
+    elif args.method == "dflash":
+        cases = [("dflash", dflash.generate, DFlashParams())]
+    else:
+        cases = [("ar", ar.generate, None)]
+    lines = [f"{'case':>14} {'rounds':>6} {'wall ms/round':>13} {'kernels ms/round':>16} {'idle ms/round':>13}  idle by stage (ms/round)"]
+    for name, engine, params in cases:
+        run = lambda e=engine, p=params, t=None: e(target, drafter if p else None, prompt, config, p, **({"timer": t} if t else {}))  # noqa: E731
+        run()  # captures every graph this case needs
+        begin = time.perf_counter()
+        out = run()
+        wall_ms = (time.perf_counter() - begin) * 1e3
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            traced = run(t=AnnotatingTimer())
+            torch.cuda.synchronize()
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "trace.json"
+            prof.export_chrome_trace(str(path))
+            busy, span, gaps = gaps_by_stage(json.loads(path.read_text()))
+        rounds = traced.num_rounds
+        idle = sum(sum(v) for v in gaps.values())
+        by_stage = ", ".join(f"{stage} {sum(v) / 1e3 / rounds:.2f} ({len(v)})" for stage, v in
+                             sorted(gaps.items(), key=lambda kv: -sum(kv[1])))
+        lines.append(f"{name:>14} {out.num_rounds:>6} {out.decode_s * 1e3 / out.num_rounds:>13.2f} "
+                     f"{busy / 1e3 / rounds:>16.2f} {idle / 1e3 / rounds:>13.2f}  {by_stage}")
+        lines.append(f"{'':>14} (whole call {wall_ms:.1f} ms untraced; traced kernel span {span / 1e3:.1f} ms, prefill included)")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
