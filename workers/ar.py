@@ -23,13 +23,15 @@ def generate(
     start = open_generation(target, prompt_ids, config, max_verify=1)
     out, generator, bonus = start.out, start.generator, start.bonus
 
+    root_only = torch.zeros(1, dtype=torch.long, device=bonus.device)  # what every commit keeps
+
     rounds: list[int] = []
     while not out.done:
         with timer.stage("verify"):
             logits = target.verify_chain(bonus).logits  # [1, V]
         with timer.stage("commit"):
             bonus = sample_tokens(logits, config.temperature, generator)
-            target.commit(torch.zeros(1, dtype=torch.long))
+            target.commit(root_only)
             out.extend([int(bonus.item())])  # sync: one token per round reaches the host
         rounds.append(1)
 

@@ -74,6 +74,8 @@ def generate(
     new_context = start.context  # [1, T, k*H]: features of committed tokens the drafter has not seen
     draft_cache = new_draft_cache(drafter, target, start.capacity)
 
+    steps = torch.arange(num_draft + 1, device=bonus.device)  # a commit keeps steps[:accepted+1]
+
     rounds: list[int] = []
     while not out.done:
         with timer.stage("draft"):
@@ -88,7 +90,7 @@ def generate(
             walk = torch.cat((guesses, choices)).cpu()  # sync: the round's one host read
             drafted, chosen = walk[:num_draft], walk[num_draft:]
             accepted = int((drafted == chosen[:-1]).int().cumprod(dim=0).sum())
-            target.commit(torch.arange(accepted + 1))
+            target.commit(steps[: accepted + 1])
             new_context = verified.taps[:, : accepted + 1]
             bonus = choices[accepted : accepted + 1]
             out.extend(drafted[:accepted].tolist() + [int(chosen[accepted])])

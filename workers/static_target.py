@@ -187,6 +187,8 @@ class StaticTarget:
         self._graphs = GraphCache(MAX_VERIFY_GRAPHS, on_evict=self._drop_commit_graphs)
         self._commit_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._graph_width: int | None = None  # width of the last pass if it was a graph replay
+        self._chains: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # q -> depths, parents, visible
+        self._buffers_hold_chain: int | None = None  # width of the chain whose shape the input buffers hold
 
     def _drop_commit_graphs(self, width: int) -> None:
         for key in [key for key in self._commit_graphs if key[0] == width]:
@@ -210,8 +212,9 @@ class StaticTarget:
     def verify_chain(self, tokens: torch.Tensor) -> VerifyOutput:
         """tokens [q] = [bonus, draft...] at positions length..length+q-1, each after the one before."""
         q = tokens.shape[0]
-        parents, visible = _chain(q, self.device)
-        return self._verify(tokens.to(self.device), torch.arange(q, device=self.device), parents, visible)
+        if q not in self._chains:  # constant per width: made once
+            self._chains[q] = (torch.arange(q, device=self.device), *_chain(q, self.device))
+        return self._verify(tokens.to(self.device), *self._chains[q], chain=True)
 
     def verify_tree(self, root_token: torch.Tensor, tree: DraftTree) -> VerifyOutput:
         """[root, nodes...] in one pass; every node sees (and continues the state of) its own ancestry."""
@@ -222,6 +225,9 @@ class StaticTarget:
     # -- commit ------------------------------------------------------------------------------------
     def commit(self, kept: torch.Tensor) -> None:
         """Keep the verified nodes ``kept`` (root ... accepted node, a path) of the last pass.
+
+        ``kept`` may be on the host or the device; engines pass a device tensor, so the copy into
+        the commit's input buffer waits for nothing.
 
         After a graph-replayed pass the commit is a graph too, one per (pass width, path length):
         the first time it runs eagerly and is then recorded (recording executes nothing).
@@ -263,14 +269,18 @@ class StaticTarget:
             self.conv_windows[i].copy_(new_window)
 
     # -- internals ---------------------------------------------------------------------------------
-    def _verify(self, ids, depths, parents, visible) -> VerifyOutput:
+    def _verify(self, ids, depths, parents, visible, chain: bool = False) -> VerifyOutput:
         if not self.graphs:
             return self._forward(ids, depths, parents, visible, last_only=False)
         q = ids.shape[0]
         self._ids[:q].copy_(ids)
-        self._depths[:q].copy_(depths)
-        self._parents[:q].copy_(parents)
-        self._visible[:q, :q].copy_(visible)
+        # every small copy before a replay is a launch the idle GPU waits for: a chain's shape is
+        # copied only when the buffers do not already hold the chain of this width
+        if not (chain and self._buffers_hold_chain == q):
+            self._depths[:q].copy_(depths)
+            self._parents[:q].copy_(parents)
+            self._visible[:q, :q].copy_(visible)
+            self._buffers_hold_chain = q if chain else None
         self._length.fill_(self.length)
         if q not in self._graphs:
             try:
