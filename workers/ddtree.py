@@ -55,21 +55,21 @@ def generate(
             choices = sample_tokens(verified.logits, config.temperature, generator)  # [n+1]
             tree = tree.to(choices.device)  # a no-op unless the lm_head sits on another GPU
             accepted = accepted_nodes(tree.tokens, tree.parents, tree.visibility, choices)  # [n+1]
-            # the accepted nodes (one chain, ascending index = depth order) first, also on the device,
-            # so the commit and the drafter's next context need no host-to-device copy
+            # accepted nodes form one chain (ascending index = depth order): sorted to the front on
+            # the device, so the commit and the drafter's next context need no host-to-device copy
             nodes = torch.arange(accepted.shape[0], device=accepted.device)
-            path_on_device = torch.where(accepted, nodes, accepted.shape[0]).sort().values
-            walk = torch.stack((accepted.long(), choices)).cpu()  # sync: the round's one host read
-            path = walk[0].nonzero().squeeze(1)  # accepted nodes, root first, in depth order
-            last = int(path[-1])
-            path_on_device = path_on_device[: path.shape[0]]
+            path_padded = torch.where(accepted, nodes, accepted.shape[0]).sort().values  # [n+1]
+            walk = torch.stack((path_padded, choices)).cpu()  # sync: the round's one host read
+            count = int((walk[0] < accepted.shape[0]).sum())
+            path, last = walk[0, :count], int(walk[0, count - 1])  # root first
+            path_on_device = path_padded[:count]
             target.commit(path_on_device)
             new_context = verified.taps[:, path_on_device.to(verified.taps.device)]
             bonus = choices[last : last + 1]
             # an accepted node's token is the target's choice at its parent: the choices along the
             # path are the accepted tokens, then the next bonus
             out.extend(walk[1, path].tolist())
-        rounds.append(int(path.shape[0]))
+        rounds.append(count)
 
     ttft, decode = start.clock.finish()
     return GenerationOutput(out.tokens, rounds, dict(timer.totals), ttft, decode)

@@ -55,6 +55,9 @@ class PassInputs:
         sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         return cls(cos[0].unsqueeze(1), sin_signed[0].unsqueeze(1), slots, mask.repeat(groups, 1))
 
+    def to(self, device: torch.device) -> PassInputs:
+        return PassInputs(*(t.to(device) for t in (self.cos, self.sin_signed, self.slots, self.mask)))
+
 
 class FusedLayer:
     """One decoder layer's weights regrouped for few kernels; see the module docstring."""

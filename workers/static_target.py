@@ -322,10 +322,11 @@ class StaticTarget:
             positions = positions.unsqueeze(0).expand(3, 1, q)
         cos, sin = self.rotary(hidden, positions)
         mask = self._attention_mask(length, visible, attend)
-        per_device = _PerDevice(cos=cos, sin=sin, mask=mask, parents=parents, visible=visible)
+        shared = {"cos": cos, "sin": sin, "mask": mask, "parents": parents, "visible": visible}
         if any(self.fused.values()):
             groups = self.config.num_attention_heads // self.config.num_key_value_heads
-            per_device.fused = PassInputs.build(cos, sin, self.kv.slots, mask[0, 0], groups)
+            shared["fused"] = PassInputs.build(cos, sin, self.kv.slots, mask[0, 0], groups)
+        per_device = _PerDevice(**shared)
         head_group = head_group_for(q)
 
         captured: dict[int, torch.Tensor] = {}
@@ -346,7 +347,7 @@ class StaticTarget:
             hidden = hidden.to(self.layer_devices[i])
             fused = self.fused.get(i)
             if fused is not None:
-                hidden = fused(hidden, per_device.fused_on(self.layer_devices[i]), self.kv.pairs[i], self.kv.attend)
+                hidden = fused(hidden, on["fused"], self.kv.pairs[i], self.kv.attend)
                 if i in self.tap_layer_ids:
                     captured[i] = hidden
                 continue
@@ -433,20 +434,14 @@ def _chain(q: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _PerDevice:
-    """The pass's shared inputs (rotary, mask, tree shape), copied once to each device that needs them."""
+    """The pass's shared inputs (rotary, mask, tree shape, the fused layers' ``PassInputs``), copied
+    once to each device that needs them."""
 
-    def __init__(self, **tensors: torch.Tensor) -> None:
+    def __init__(self, **tensors) -> None:
         self.tensors = tensors
         self.copies: dict[torch.device, dict[str, torch.Tensor]] = {}
-        self.fused: PassInputs | None = None  # the fused layers' shared inputs, on the first device
-        self.fused_copies: dict[torch.device, PassInputs] = {}
 
     def get(self, device: torch.device) -> dict[str, torch.Tensor]:
         if device not in self.copies:
             self.copies[device] = {name: t.to(device) for name, t in self.tensors.items()}
         return self.copies[device]
-
-    def fused_on(self, device: torch.device) -> PassInputs:
-        if device not in self.fused_copies:
-            self.fused_copies[device] = PassInputs(*(t.to(device) for t in vars(self.fused).values()))
-        return self.fused_copies[device]

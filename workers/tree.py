@@ -85,33 +85,27 @@ def build_tree(draft_log_probs: torch.Tensor, params: TreeParams) -> DraftTree:
     top_vals, top_ids = torch.topk(draft_log_probs[:depth_limit], k=top_k, dim=-1)  # [D, K], best first
     top_vals = top_vals.double()
 
-    # Per depth, the kept prefixes best first: path score, parent (index into the previous depth's
-    # kept list, also best first) and token. Candidates are enumerated parent-major, rank-minor, so a
-    # stable sort on score alone breaks exact ties by (parent, rank).
+    # Per depth, the kept prefixes best first: path score, parent entry and token. Entries are
+    # numbered across depths (depth 1 first); the root is entry -1. Candidates are enumerated
+    # parent-major, rank-minor, so a stable sort on score alone breaks exact ties by (parent, rank).
     scores = torch.zeros(1, dtype=torch.float64, device=device)  # the root
-    levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    parent_offset, next_offset = -1, 0  # entry number of the previous depth's first prefix, of this one's
+    levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for depth in range(depth_limit):
         parent, rank = _candidate_pairs(scores.numel(), top_k, params.budget, device)
         candidates = scores[parent] + top_vals[depth, rank]  # [C]
         best = torch.sort(candidates, descending=True, stable=True).indices[: params.budget]
         scores = candidates[best]
-        levels.append((scores, parent[best], top_ids[depth, rank[best]]))
+        depths = torch.full_like(best, depth + 1)
+        levels.append((scores, parent[best] + parent_offset, top_ids[depth, rank[best]], depths))
+        parent_offset, next_offset = next_offset, next_offset + best.numel()
 
-    # Merge the depths: shallower first, then rank-path order, then a stable sort by score.
-    level_sizes = [level[0].numel() for level in levels]
-    offsets = [0]
-    for size in level_sizes[:-1]:
-        offsets.append(offsets[-1] + size)
-    all_scores = torch.cat([level[0] for level in levels])
+    # Merge the depths: entries in depth order, each depth best first, then a stable sort by score.
+    all_scores, parent_entry, tokens, depth_of = (torch.cat(column) for column in zip(*levels))
     order = torch.sort(all_scores, descending=True, stable=True).indices[: params.budget]  # node i+1 = entry order[i]
-    count = order.numel()
-    # entry -> node index (1..n); entries of parents of depth-1 entries point at the root (node 0)
+    # entry -> node index (1..n), shifted by one so that the root's entry -1 maps to node 0
     node_of = torch.zeros(all_scores.numel() + 1, dtype=torch.long, device=device)
-    node_of[order + 1] = torch.arange(1, count + 1, device=device)
-    parent_entry = torch.cat([torch.full_like(levels[0][1], -1)] + [level[1] + offsets[d - 1] for d, level in enumerate(levels) if d > 0])
-    depth_of = torch.cat([torch.full((size,), d + 1, dtype=torch.long, device=device) for d, size in enumerate(level_sizes)])
-    tokens = torch.cat([level[2] for level in levels])
-
+    node_of[order + 1] = torch.arange(1, order.numel() + 1, device=device)
     parents = torch.cat((torch.full((1,), -1, dtype=torch.long, device=device), node_of[parent_entry[order] + 1]))
     return DraftTree(
         tokens=tokens[order],
