@@ -30,7 +30,8 @@ class DraftGraphs:
         # by (new-context length, rows): up to block_size lengths for each of a few drafting depths
         self.graphs = GraphCache(3 * drafter.block_size)
         # DDTree's tree build from the draft logits, by (tree knobs, logits shape): sorts and gathers
-        # of fixed shapes, ~150 small kernels that cost ~5 ms to launch one by one from Python
+        # of fixed shapes, ~290 small kernels: 2.5-5 ms launched one by one from Python on an H200,
+        # 0.7-1.1 ms replayed (B <= 256)
         self.tree_graphs = GraphCache(4)
 
     @classmethod

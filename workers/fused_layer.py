@@ -8,7 +8,7 @@ the same arithmetic as
     x = x + o_proj(attention(rope(norm_qk(q_proj(n))), rope(norm_qk(k_proj(n))), v_proj(n)))   n = norm(x)
     x = x + down_proj(silu(gate_proj(m)) * up_proj(m))                                           m = norm(x)
 
-with ~25 kernels: q/k/v projections as one matrix and gate/up as one (larger matrices also stream
+with ~20 kernels: q/k/v projections as one matrix and gate/up as one (larger matrices also stream
 closer to full memory bandwidth: measured on an H200, 3.2 vs 2.7 TB/s and 4.2 vs 3.7 TB/s), each
 RMSNorm as one fused kernel, q and k normalised and rotated together, and the attention of a few
 rows as two batched matrix products (cuDNN's fused kernel costs ~45 us per layer for one row), the

@@ -348,23 +348,25 @@ class StaticTarget:
             fused = self.fused.get(i)
             if fused is not None:
                 hidden = fused(hidden, on["fused"], self.kv.pairs[i], self.kv.attend)
-                if i in self.tap_layer_ids:
-                    captured[i] = hidden
-                continue
-            mixed = layer.input_layernorm(hidden)
-            if self.layer_types[i] == "linear_attention":
-                mixed = self._linear_attention(i, layer.linear_attn, mixed, on["parents"], on["visible"], head_group)
             else:
-                kwargs = {self._cache_kwarg: self.kv}
-                mixed = layer.self_attn(
-                    hidden_states=mixed, position_embeddings=(on["cos"], on["sin"]), attention_mask=on["mask"], **kwargs
-                )[0]
-            hidden = hidden + mixed
-            mlp_out = layer.mlp(layer.post_attention_layernorm(hidden))
-            hidden = hidden + (mlp_out[0] if isinstance(mlp_out, tuple) else mlp_out)
+                hidden = self._module_layer(i, layer, hidden, on, head_group)
             if i in self.tap_layer_ids:
                 captured[i] = hidden
         return hidden
+
+    def _module_layer(self, i: int, layer: nn.Module, hidden: torch.Tensor, on: dict, head_group: int) -> torch.Tensor:
+        """One decoder layer through transformers' own modules (linear attention: our tree form)."""
+        mixed = layer.input_layernorm(hidden)
+        if self.layer_types[i] == "linear_attention":
+            mixed = self._linear_attention(i, layer.linear_attn, mixed, on["parents"], on["visible"], head_group)
+        else:
+            kwargs = {self._cache_kwarg: self.kv}
+            mixed = layer.self_attn(
+                hidden_states=mixed, position_embeddings=(on["cos"], on["sin"]), attention_mask=on["mask"], **kwargs
+            )[0]
+        hidden = hidden + mixed
+        mlp_out = layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden + (mlp_out[0] if isinstance(mlp_out, tuple) else mlp_out)
 
     def _attention_mask(self, length: torch.Tensor, visible: torch.Tensor, attend: int) -> torch.Tensor:
         """Additive [1, 1, q, attend]: the committed past, then the pass's own block by ``visible``."""
