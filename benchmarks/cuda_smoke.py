@@ -14,15 +14,15 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from workers import ar, ddtree, dflash
-from workers.drafter import DFlashDrafter, DrafterSpec
-from workers.generation import GenerationConfig, StageTimer, device_sync
+from workers.decoding import ar, ddtree, dflash
+from workers.decoding.generation import GenerationConfig, StageTimer, device_sync
+from workers.decoding.tree import TreeParams
 from workers.memory import MemoryTracer
 from workers.metrics import summarize
+from workers.models.drafter import DFlashDrafter, DrafterSpec
+from workers.models.static_target import make_target
 from workers.prompts import Prompt
-from workers.target import make_target
 from workers.tiny import write_tiny_pair
-from workers.tree import TreeParams
 from workers.worker import Method, TrialSpec, Worker, WorkerConfig
 
 

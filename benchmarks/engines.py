@@ -18,14 +18,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from workers import ar, ddtree, dflash
-from workers.drafter import load_drafter
-from workers.generation import GenerationConfig, StageTimer
-from workers.loading import Placement, load_target
+from workers.decoding import ar, ddtree, dflash
+from workers.decoding.generation import GenerationConfig, StageTimer
+from workers.decoding.tree import TreeParams
 from workers.metrics import summarize
-from workers.target import make_target
+from workers.models.drafter import load_drafter
+from workers.models.loading import Placement, load_target
+from workers.models.static_target import make_target
 from workers.tiny import TinyShape, write_tiny_pair
-from workers.tree import TreeParams
 
 SHAPES = {
     "tiny": TinyShape(),

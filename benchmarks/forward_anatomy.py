@@ -24,13 +24,13 @@ import torch.nn.functional as F
 from gpu_speed import median_ms  # a sibling script: benchmarks/ is on sys.path
 from torch.profiler import ProfilerActivity, profile
 
-from workers import ddtree
-from workers.dflash import draft_block
-from workers.draft_graphs import DraftGraphs
-from workers.generation import GenerationConfig
-from workers.shapes import build_random_drafter, build_random_target
-from workers.static_target import StaticTarget
-from workers.tree import TreeParams
+from workers.decoding import ddtree
+from workers.decoding.dflash import draft_block
+from workers.decoding.draft_graphs import DraftGraphs
+from workers.decoding.generation import GenerationConfig
+from workers.decoding.tree import TreeParams
+from workers.models.shapes import build_random_drafter, build_random_target
+from workers.models.static_target import StaticTarget
 
 KINDS = (
     ("matmul", ("gemv", "gemm", "nvjet", "cutlass", "sm90_", "xmma", "splitk")),

@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_speed.py [--shape qwen3-8b] [--context 1024] [--reps 10]
 
-Random weights of a named shape (``workers.shapes``) in bf16 on one GPU, with its DFlash-shaped
+Random weights of a named shape (``workers.models.shapes``) in bf16 on one GPU, with its DFlash-shaped
 drafter (5 layers, block 16). Prints, last, one table:
 - the floor: weight bytes / measured copy bandwidth (a large device-to-device copy);
 - target verify time for q = 1..512 nodes (chain and tree masks): transformers' own forward on a
@@ -21,14 +21,14 @@ import time
 
 import torch
 
-from workers import ar, ddtree, dflash
-from workers.dflash import DFlashParams, draft_block
-from workers.draft_graphs import DraftGraphs
-from workers.generation import GenerationConfig
-from workers.shapes import build_random_drafter, build_random_target
-from workers.static_target import StaticTarget
-from workers.target import AttentionTarget
-from workers.tree import TreeParams, build_tree, follow_tree
+from workers.decoding import ar, ddtree, dflash
+from workers.decoding.dflash import DFlashParams, draft_block
+from workers.decoding.draft_graphs import DraftGraphs
+from workers.decoding.generation import GenerationConfig
+from workers.decoding.tree import TreeParams, build_tree, follow_tree
+from workers.models.reference import AttentionTarget
+from workers.models.shapes import build_random_drafter, build_random_target
+from workers.models.static_target import StaticTarget
 
 QS = (1, 16, 64, 128, 256, 512)
 BUDGETS = (16, 64, 256, 1024)

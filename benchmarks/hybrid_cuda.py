@@ -23,13 +23,13 @@ import time
 
 import torch
 
-from workers import ar, ddtree, dflash
-from workers.deltanet import full_state_bytes, tree_state_bytes
-from workers.dflash import DFlashParams
-from workers.drafter import DFlashDrafter, DrafterSpec
-from workers.generation import GenerationConfig
-from workers.static_target import StaticTarget
-from workers.tree import TreeParams, build_tree
+from workers.decoding import ar, ddtree, dflash
+from workers.decoding.dflash import DFlashParams
+from workers.decoding.generation import GenerationConfig
+from workers.decoding.tree import TreeParams, build_tree
+from workers.models.deltanet import full_state_bytes, tree_state_bytes
+from workers.models.drafter import DFlashDrafter, DrafterSpec
+from workers.models.static_target import StaticTarget
 
 
 def hybrid_config(vocab: int = 32000):

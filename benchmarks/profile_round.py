@@ -10,9 +10,9 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from workers.dflash import draft_block
-from workers.shapes import build_random_drafter, build_random_target
-from workers.static_target import StaticTarget
+from workers.decoding.dflash import draft_block
+from workers.models.shapes import build_random_drafter, build_random_target
+from workers.models.static_target import StaticTarget
 
 
 @torch.inference_mode()

@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from workers import ar, ddtree, dflash
-from workers.dflash import DFlashParams
-from workers.generation import GenerationConfig
-from workers.shapes import build_random_drafter, build_random_target
-from workers.static_target import StaticTarget
-from workers.tree import TreeParams
+from workers.decoding import ar, ddtree, dflash
+from workers.decoding.dflash import DFlashParams
+from workers.decoding.generation import GenerationConfig
+from workers.decoding.tree import TreeParams
+from workers.models.shapes import build_random_drafter, build_random_target
+from workers.models.static_target import StaticTarget
 
 
 class AnnotatingTimer:

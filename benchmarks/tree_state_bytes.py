@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 
-from workers.deltanet import TRANSIENT_BYTES, full_state_bytes, tree_state_bytes
-from workers.loading import parse_dtype
-from workers.shapes import target_config
+from workers.models.deltanet import TRANSIENT_BYTES, full_state_bytes, tree_state_bytes
+from workers.models.loading import parse_dtype
+from workers.models.shapes import target_config
 
 BUDGETS = (16, 32, 64, 128, 256, 512, 1024)
 

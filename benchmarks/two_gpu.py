@@ -3,7 +3,7 @@
     python benchmarks/two_gpu.py [--dtype float32]
 
 Writes a random ~0.5B Qwen3.5-style hybrid checkpoint and a DFlash drafter to a temp folder, loads
-them with ``Worker(WorkerConfig(gpus=2))`` (``workers.placement`` plans the split, the drafter goes
+them with ``Worker(WorkerConfig(gpus=2))`` (``workers.models.placement`` plans the split, the drafter goes
 with lm_head), prints where every layer landed, and runs AR and DDTree trials on the split target:
 greedy DDTree must equal AR (lossless_match 1.0) and the logits must equal a one-GPU copy's.
 """
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from workers.drafter import DFlashDrafter, DrafterSpec, save_drafter
+from workers.models.drafter import DFlashDrafter, DrafterSpec, save_drafter
+from workers.models.static_target import StaticTarget
 from workers.prompts import Prompt
-from workers.static_target import StaticTarget
 from workers.worker import Method, TrialSpec, Worker, WorkerConfig
 
 

@@ -342,6 +342,6 @@ def check_against_block(config: SweepConfig, block_size: int | None, source: str
 
 def thinking_warning(config: SweepConfig) -> str | None:
     """A warning when the sweep turns thinking on with a drafter that does not declare it."""
-    from workers.drafter import thinking_warning as warning_for
+    from workers.models.drafter import thinking_warning as warning_for
 
     return warning_for(config.drafter.model if config.drafter else None, config.prompts.enable_thinking)

@@ -14,7 +14,13 @@ import signal
 import sys
 from pathlib import Path
 
-from orchestrator.config import SweepConfig, check_against_block, drafter_block_size, load_sweep, thinking_warning
+from orchestrator.config import (
+    SweepConfig,
+    check_against_block,
+    drafter_block_size,
+    load_sweep,
+    thinking_warning,
+)
 from workers.errors import BadInputError
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 2, 130

@@ -12,9 +12,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from workers.drafter import DFlashDrafter, load_drafter  # noqa: E402
-from workers.loading import Placement, load_target  # noqa: E402
-from workers.target import make_target  # noqa: E402
+from workers.models.drafter import DFlashDrafter, load_drafter  # noqa: E402
+from workers.models.loading import Placement, load_target  # noqa: E402
+from workers.models.static_target import make_target  # noqa: E402
 from workers.tiny import TinyShape, write_tiny_pair  # noqa: E402
 
 TINY = TinyShape()  # vocab 32, 4 target layers, 2 drafter layers, block 8
@@ -32,7 +32,7 @@ class TinyModels:
     drafter_dir: Path
     model: torch.nn.Module
     drafter: DFlashDrafter
-    target: object  # a StaticTarget (workers.target.make_target)
+    target: object  # a StaticTarget (workers.models.static_target.make_target)
 
 
 def _load(shape: TinyShape, folder: Path) -> TinyModels:

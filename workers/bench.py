@@ -26,7 +26,7 @@ import sys
 from typing import NoReturn
 
 from workers.errors import BadInputError
-from workers.loading import DTYPES
+from workers.models.loading import DTYPES
 from workers.prompts import BENCHMARKS
 
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
-    from workers.drafter import thinking_warning
+    from workers.models.drafter import thinking_warning
     from workers.prompts import PromptSource, load_source
     from workers.worker import Method, TrialSpec, Worker, WorkerConfig
 

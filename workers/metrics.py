@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from workers.generation import STAGES, GenerationOutput
+from workers.decoding.generation import STAGES, GenerationOutput
 
 
 def summarize(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from workers.drafter import DFlashDrafter, DrafterSpec, save_drafter
+from workers.models.drafter import DFlashDrafter, DrafterSpec, save_drafter
 
 
 @dataclass(frozen=True)
@@ -118,11 +118,11 @@ def distill_drafter(
     """
     import torch.nn.functional as F
 
-    from workers import ar
-    from workers.drafter import load_drafter
-    from workers.generation import GenerationConfig
-    from workers.loading import Placement, load_target
-    from workers.target import make_target
+    from workers.decoding import ar
+    from workers.decoding.generation import GenerationConfig
+    from workers.models.drafter import load_drafter
+    from workers.models.loading import Placement, load_target
+    from workers.models.static_target import make_target
 
     torch.manual_seed(seed)
     model = load_target(str(target_dir), dtype="float32", placement=Placement(device="cpu"))

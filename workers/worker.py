@@ -21,17 +21,17 @@ from typing import Any
 
 import torch
 
-from workers import ar, ddtree, dflash
-from workers.drafter import DFlashDrafter, DrafterSpec, load_drafter, resolve_checkpoint_dir
+from workers.decoding import ar, ddtree, dflash
+from workers.decoding.generation import GenerationConfig, GenerationOutput, StageTimer, device_sync
+from workers.decoding.tree import TreeParams
 from workers.errors import BadInputError
-from workers.generation import GenerationConfig, GenerationOutput, StageTimer, device_sync
-from workers.loading import Placement, load_target, load_tokenizer, parse_dtype
 from workers.memory import MemoryTrace, MemoryTracer, reset_and_empty_cache
 from workers.metrics import acceptance_histogram, per_category, summarize
-from workers.placement import drafter_bytes_for
+from workers.models.drafter import DFlashDrafter, DrafterSpec, load_drafter, resolve_checkpoint_dir
+from workers.models.loading import Placement, load_target, load_tokenizer, parse_dtype
+from workers.models.placement import drafter_bytes_for
+from workers.models.static_target import make_target
 from workers.prompts import ChatFormat, Prompt, encode, stop_token_ids
-from workers.target import make_target
-from workers.tree import TreeParams
 
 WARMUP_TOKENS = 16
 
@@ -116,7 +116,7 @@ class Worker:
         self.config = config
         self.model = None
         self.drafter: DFlashDrafter | None = None
-        self.target = None  # a StaticTarget (workers.target.make_target)
+        self.target = None  # a StaticTarget (workers.models.static_target.make_target)
         self.tokenizer = None
         self._baselines: dict[str, list[GenerationOutput]] = {}
         self._state_bytes: int | None = None  # peak tree_state_bytes of the last _generate_all (hybrids)

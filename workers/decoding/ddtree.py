@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from workers.dflash import draft_block, new_draft_cache
-from workers.drafter import DFlashDrafter
-from workers.generation import NULL_TIMER, GenerationConfig, GenerationOutput, open_generation
-from workers.sampling import sample_tokens
-from workers.tree import TreeParams, accepted_nodes, build_tree
+from workers.decoding.dflash import draft_block, new_draft_cache
+from workers.decoding.generation import NULL_TIMER, GenerationConfig, GenerationOutput, open_generation
+from workers.decoding.sampling import sample_tokens
+from workers.decoding.tree import TreeParams, accepted_nodes, build_tree
+from workers.models.drafter import DFlashDrafter
 
 
 def resolve_tree_params(params: TreeParams, block_size: int) -> TreeParams:

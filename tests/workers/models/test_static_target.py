@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers import ar, ddtree
-from workers.deltanet import full_state_bytes, tree_state_bytes
-from workers.generation import GenerationConfig
-from workers.static_target import StaticTarget
-from workers.tree import TreeParams, build_tree
+from workers.decoding import ar, ddtree
+from workers.decoding.generation import GenerationConfig
+from workers.decoding.tree import TreeParams, build_tree
+from workers.models.deltanet import full_state_bytes, tree_state_bytes
+from workers.models.static_target import StaticTarget
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 HYBRIDS = ("tiny_hybrid", "tiny_next")

@@ -1,4 +1,4 @@
-"""Tests for workers.drafter: loading z-lab DFlash checkpoints, refusing mismatched ones, and the
+"""Tests for workers.models.drafter: loading z-lab DFlash checkpoints, refusing mismatched ones, and the
 drafter forward's independence from how the context is fed.
 
 Broken checkpoints are made by copying the session's good tiny drafter into tmp_path and editing
@@ -17,7 +17,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from workers.drafter import (
+from workers.errors import BadInputError, CheckpointMismatchError
+from workers.models.drafter import (
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
     DFlashDrafter,
@@ -25,8 +26,7 @@ from workers.drafter import (
     default_target_layer_ids,
     load_drafter,
 )
-from workers.errors import BadInputError, CheckpointMismatchError
-from workers.loading import Placement, load_target
+from workers.models.loading import Placement, load_target
 from workers.tiny import TinyShape, tiny_drafter_config, write_tiny_pair
 
 # --- helpers ------------------------------------------------------------------------------------------

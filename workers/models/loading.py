@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from workers.errors import BadInputError, UnsupportedModelError
-from workers.target import check_supported
+from workers.seam import check_supported
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -19,7 +19,7 @@ class Placement:
     """Where the target goes.
 
     device:     "cpu", "cuda", "cuda:N" or "auto" (cuda when available, else cpu) for one device;
-    gpus:       when > 1, split the target over that many visible GPUs (``workers.placement``:
+    gpus:       when > 1, split the target over that many visible GPUs (``workers.models.placement``:
                 layers kept whole, headroom reserved for caches, tree buffers and the drafter, which
                 goes with the last layers and lm_head); ``max_memory_per_gpu`` optionally caps the
                 weights per GPU further.
@@ -45,7 +45,7 @@ class Placement:
             return {"device_map": {"": device}}
         from accelerate.utils import convert_file_size_to_int
 
-        from workers.placement import plan_split
+        from workers.models.placement import plan_split
 
         visible = torch.cuda.device_count()
         if visible < self.gpus:
@@ -72,11 +72,11 @@ def load_target(
 ) -> nn.Module:
     """AutoModelForCausalLM from a hub id or a local folder, checked to be an architecture we run.
 
-    ``random:<shape>`` (``workers.shapes``) builds that shape with random weights on the device instead.
+    ``random:<shape>`` (``workers.models.shapes``) builds that shape with random weights on the device instead.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from workers.shapes import build_random_target, random_shape_name
+    from workers.models.shapes import build_random_target, random_shape_name
 
     try:
         shape = random_shape_name(name_or_path)

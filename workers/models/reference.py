@@ -1,94 +1,19 @@
-"""The target model seen by the engines: prefill, verify a chain or a tree, commit what was accepted.
+"""The reference runner: an attention-only target through transformers' own forward and cache.
 
-This is the one seam between the decoding algorithms and a model's cache. ``make_target`` gives the
-runner the engines use, ``workers.static_target.StaticTarget`` (its own decoder loop on static
-buffers: Gated DeltaNet hybrids need it, and it is what CUDA graphs capture). ``AttentionTarget``,
-below, runs attention-only models (Qwen3 / Llama style) through transformers' own forward and
-``DynamicCache``: the plain reference path, kept for comparison and tests.
-
-Verify inputs (token ids, positions, the additive tree mask) live in buffers allocated once per
-generation at the largest size the run can ask for and sliced per round; with ``bucket_sizes`` the
-slice is padded up to a fixed size so a later CUDA-graph capture sees a handful of shapes only.
-Padding nodes sit at the root's position, see only the committed past and are never accepted.
+``AttentionTarget`` runs Qwen3 / Llama style models with ``DynamicCache`` and a 4-D additive tree
+mask: slow, but independent of our own decoder loop, so the tests and benchmarks compare
+``StaticTarget`` against it. Hybrids are refused (transformers' GDN layers cannot fork state).
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from workers.errors import UnsupportedModelError
-from workers.tree import DraftTree
-
-# model_type values whose every layer is softmax attention over a KV cache we can index.
-ATTENTION_ONLY_TYPES = frozenset({"qwen3", "qwen3_moe", "qwen2", "qwen2_moe", "llama", "mistral"})
-# model_type values mixing Gated DeltaNet ("linear_attention") and "full_attention" layers.
-HYBRID_TYPES = frozenset({"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"})
-HYBRID_LAYER_TYPES = frozenset({"linear_attention", "full_attention"})
-
-
-def text_config(config):
-    """The language model's config (multimodal Qwen3.5 / 3.6 checkpoints nest it as ``text_config``)."""
-    inner = getattr(config, "text_config", None)
-    return inner if inner is not None else config
-
-
-def is_hybrid(config) -> bool:
-    return getattr(config, "model_type", None) in HYBRID_TYPES
-
-
-def check_supported(config) -> None:
-    """Refuse, by name, an architecture whose output the engines cannot guarantee to be exact."""
-    model_type = getattr(config, "model_type", "?")
-    supported = ", ".join(sorted(ATTENTION_ONLY_TYPES | HYBRID_TYPES))
-    if model_type in HYBRID_TYPES:
-        layer_types = set(getattr(text_config(config), "layer_types", None) or ())
-        if not layer_types or not layer_types <= HYBRID_LAYER_TYPES:
-            raise UnsupportedModelError(
-                f"target architecture '{model_type}' with layer types {sorted(layer_types)} is not supported "
-                f"(hybrid layers must be {sorted(HYBRID_LAYER_TYPES)})"
-            )
-        return
-    if model_type not in ATTENTION_ONLY_TYPES:
-        raise UnsupportedModelError(f"target architecture '{model_type}' is not supported (supported: {supported})")
-    if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        raise UnsupportedModelError(f"target architecture '{model_type}' with sliding-window layers is not supported")
-
-
-@dataclass(frozen=True)
-class VerifyOutput:
-    logits: torch.Tensor  # [q, V] float, one row per verified node (root first)
-    taps: torch.Tensor  # [1, q, k*H] hidden states after the tapped layers, on the drafter's device
-
-
-def make_target(
-    model: nn.Module,
-    tap_layer_ids: tuple[int, ...] = (),
-    tap_device: torch.device | None = None,
-    graphs: bool | None = None,
-    compile_layers: bool = False,
-):
-    """The runner for ``model``: ``StaticTarget`` (own decoder loop on static buffers; hybrids need
-    it), with CUDA graphs when ``graphs`` is None and the whole model sits on one CUDA device."""
-    from workers.static_target import StaticTarget
-
-    check_supported(model.config)
-    devices = {p.device for p in model.parameters()}
-    one_cuda = len(devices) == 1 and next(iter(devices)).type == "cuda"
-    use_graphs = one_cuda if graphs is None else graphs and one_cuda
-    return StaticTarget(model, tap_layer_ids, tap_device, graphs=use_graphs, compile_layers=compile_layers)
-
-
-def bucket_for(size: int, bucket_sizes: tuple[int, ...] | None) -> int:
-    """Smallest bucket >= size (the exact size when bucketing is off or no bucket is large enough)."""
-    if bucket_sizes:
-        for bucket in bucket_sizes:
-            if bucket >= size:
-                return bucket
-    return size
+from workers.seam import DraftTree, VerifyOutput, check_supported, is_hybrid
 
 
 class AttentionTarget:
@@ -99,15 +24,13 @@ class AttentionTarget:
         model: nn.Module,
         tap_layer_ids: tuple[int, ...] = (),
         tap_device: torch.device | None = None,
-        bucket_sizes: tuple[int, ...] | None = None,
     ) -> None:
         check_supported(model.config)
         if is_hybrid(model.config):
-            raise UnsupportedModelError(f"'{model.config.model_type}' is a hybrid model: use workers.static_target.StaticTarget")
+            raise UnsupportedModelError(f"'{model.config.model_type}' is a hybrid model: use workers.models.static_target.StaticTarget")
         self.model = model
         self.tap_layer_ids = tuple(tap_layer_ids)
         self.tap_device = tap_device
-        self.bucket_sizes = bucket_sizes
         self.device = model.get_input_embeddings().weight.device
         self.dtype = model.get_input_embeddings().weight.dtype
         # transformers renamed ``past_key_values`` to ``cache``; pass whichever this version takes.
@@ -126,7 +49,7 @@ class AttentionTarget:
 
         self.cache = DynamicCache()
         self.length = 0
-        width = bucket_for(max_verify, self.bucket_sizes)
+        width = max_verify
         self._ids = torch.zeros((1, width), dtype=torch.long, device=self.device)
         self._positions = torch.zeros((1, width), dtype=torch.long, device=self.device)
         self._mask = torch.zeros((1, 1, width, capacity + width), dtype=self.dtype, device=self.device)
@@ -154,12 +77,11 @@ class AttentionTarget:
     def verify_tree(self, root_token: torch.Tensor, tree: DraftTree) -> VerifyOutput:
         """Verify [root, nodes...] in one pass: node i at position length + depth(i), seeing the
         committed past and its own ancestors only (additive float mask, since bool masks misbehave
-        with eager attention). Returns rows for the real nodes only, padding dropped."""
+        with eager attention). """
         n = 1 + tree.num_nodes
-        width = bucket_for(n, self.bucket_sizes)
+        width = n
         past = self.length
         ids, positions = self._ids[:, :width], self._positions[:, :width]
-        ids.zero_()
         ids[0, 0] = root_token
         ids[0, 1:n] = tree.tokens.to(self.device)
         positions.fill_(past)
@@ -173,11 +95,8 @@ class AttentionTarget:
         block = mask[0, 0, :, past:]
         block.fill_(torch.finfo(self.dtype).min)
         block[:n, :n].masked_fill_(tree.visibility.to(self.device), 0.0)
-        if width > n:  # padding rows see the past and themselves, so no row is fully masked
-            pad = torch.arange(n, width, device=self.device)
-            block[pad, pad] = 0.0
         logits = self._forward(ids, positions, mask=mask, logits_to_keep=0)
-        return VerifyOutput(logits=logits[:n], taps=self._taps()[:, :n])
+        return VerifyOutput(logits=logits, taps=self._taps())
 
     # -- commit ------------------------------------------------------------------------------------
     def commit(self, kept: torch.Tensor) -> None:

@@ -2,7 +2,7 @@
 
 ``StaticTarget`` runs the decoder layers itself, reusing the model's own modules for everything that
 is per token (norms, projections, MLP / MoE, attention with its gate and partial rotary) and
-replacing only the token mixing of Gated DeltaNet layers with ``workers.deltanet``'s tree form, in
+replacing only the token mixing of Gated DeltaNet layers with ``workers.models.deltanet``'s tree form, in
 which every node continues its parent's conv window and recurrent state. transformers' own forward
 cannot do that: its linear-attention layers ignore a 4-D mask (siblings leak into each other's
 state) and its hybrid cache cannot be rolled back. For attention-only models the same loop gives
@@ -34,8 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.attention import grouped_attention_in
-from workers.deltanet import (
+from workers.errors import UnsupportedModelError
+from workers.models.attention import grouped_attention_in
+from workers.models.deltanet import (
     PendingLayer,
     conv_lag_index,
     head_group_for,
@@ -44,11 +45,9 @@ from workers.deltanet import (
     tree_delta_rule,
     window_after,
 )
-from workers.errors import UnsupportedModelError
-from workers.fused_layer import PassInputs, fused_layer_for
-from workers.graph_cache import GraphCache, capture
-from workers.target import VerifyOutput, check_supported, text_config
-from workers.tree import DraftTree
+from workers.models.fused_layer import PassInputs, fused_layer_for
+from workers.models.graph_cache import GraphCache, capture
+from workers.seam import DraftTree, VerifyOutput, check_supported, text_config
 
 MAX_VERIFY_GRAPHS = 4  # verify widths kept captured (a trial uses 1 for AR, n+1, or B+1)
 
@@ -447,3 +446,19 @@ class _PerDevice:
         if device not in self.copies:
             self.copies[device] = {name: t.to(device) for name, t in self.tensors.items()}
         return self.copies[device]
+
+
+def make_target(
+    model: nn.Module,
+    tap_layer_ids: tuple[int, ...] = (),
+    tap_device: torch.device | None = None,
+    graphs: bool | None = None,
+    compile_layers: bool = False,
+):
+    """The runner for ``model``: ``StaticTarget`` (own decoder loop on static buffers; hybrids need
+    it), with CUDA graphs when ``graphs`` is None and the whole model sits on one CUDA device."""
+    check_supported(model.config)
+    devices = {p.device for p in model.parameters()}
+    one_cuda = len(devices) == 1 and next(iter(devices)).type == "cuda"
+    use_graphs = one_cuda if graphs is None else graphs and one_cuda
+    return StaticTarget(model, tap_layer_ids, tap_device, graphs=use_graphs, compile_layers=compile_layers)

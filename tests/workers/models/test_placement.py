@@ -10,17 +10,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.deltanet import tree_state_bytes
 from workers.errors import BadInputError
-from workers.placement import FIXED_BYTES, GiB, RunBudget, drafter_bytes_for, layer_state_bytes, plan_split
-from workers.shapes import drafter_config, target_config
+from workers.models.deltanet import tree_state_bytes
+from workers.models.placement import (
+    FIXED_BYTES,
+    GiB,
+    RunBudget,
+    drafter_bytes_for,
+    layer_state_bytes,
+    plan_split,
+)
+from workers.models.shapes import drafter_config, target_config
 
 GB48 = 48 * 10**9  # an RTX A6000's 48 GB
 
 
 @pytest.fixture(scope="module")
 def hybrid_27b():
-    from workers.drafter import DrafterSpec
+    from workers.models.drafter import DrafterSpec
 
     config = target_config("qwen3.6-27b")
     drafter = drafter_bytes_for(DrafterSpec.from_dict(drafter_config("qwen3.6-27b")), torch.bfloat16)
@@ -80,7 +87,7 @@ def test_the_multimodal_checkpoint_config_plans_its_language_model(hybrid_27b):
     """Released Qwen3.5/3.6 checkpoints carry a composite config (text_config inside)."""
     from transformers import AutoConfig
 
-    from workers.shapes import TARGETS
+    from workers.models.shapes import TARGETS
 
     text = {k: v for k, v in TARGETS["qwen3.6-27b"].items() if k != "model_type"}
     composite = AutoConfig.for_model("qwen3_5", text_config=text)

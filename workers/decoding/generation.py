@@ -1,6 +1,6 @@
 """What every decoding engine shares: its settings, its result, the output buffer and stage timers.
 
-The engines (``workers.ar``, ``workers.dflash``, ``workers.ddtree``) have one call shape::
+The engines (``workers.decoding.ar``, ``workers.decoding.dflash``, ``workers.decoding.ddtree``) have one call shape::
 
     generate(target, drafter, prompt_ids, config, params, timer=NULL_TIMER) -> GenerationOutput
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.sampling import make_generator, sample_tokens
+from workers.decoding.sampling import make_generator, sample_tokens
 
 STAGES = ("draft", "tree", "verify", "commit")
 

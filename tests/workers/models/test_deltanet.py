@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.deltanet import (
+from workers.models.deltanet import (
     conv_lag_index,
     state_after,
     tree_conv,

@@ -1,4 +1,4 @@
-"""Tests for workers.tree: DDTree best-first construction and the verification walk.
+"""Tests for workers.decoding.tree: DDTree best-first construction and the verification walk.
 
 Everything is checked against independent, naive implementations written here: a brute-force
 enumeration of all prefixes, the paper's heap algorithm written out plainly, a naive ancestor
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from workers.tree import DraftTree, TreeParams, ancestor_matrix, build_tree, follow_tree
+from workers.decoding.tree import DraftTree, TreeParams, ancestor_matrix, build_tree, follow_tree
 
 # --- helpers ------------------------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from workers.shapes import TARGETS, drafter_config, target_config
+from workers.models.shapes import TARGETS, drafter_config, target_config
 
 
 def test_the_27b_hybrid_shape_has_the_published_layout():

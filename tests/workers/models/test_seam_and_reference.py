@@ -10,9 +10,10 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
+from workers.decoding.tree import TreeParams, build_tree
 from workers.errors import UnsupportedModelError
-from workers.target import AttentionTarget, bucket_for, check_supported
-from workers.tree import TreeParams, build_tree
+from workers.models.reference import AttentionTarget
+from workers.seam import check_supported
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_text"])
@@ -26,7 +27,7 @@ def test_hybrids_with_layers_we_cannot_fork_are_refused_by_name(model_type):
 
 
 def test_attention_target_refuses_a_hybrid_model(tiny_hybrid):
-    with pytest.raises(UnsupportedModelError, match="hybrid model: use workers.static_target.StaticTarget"):
+    with pytest.raises(UnsupportedModelError, match="hybrid model: use workers.models.static_target.StaticTarget"):
         AttentionTarget(tiny_hybrid.model)
 
 
@@ -50,13 +51,6 @@ def test_bench_refuses_an_unsupported_target_folder_by_name(tmp_path):
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2 and "'mamba' is not supported" in proc.stderr
-
-
-def test_bucket_for():
-    assert bucket_for(5, None) == 5
-    assert bucket_for(5, (4, 8, 16)) == 8
-    assert bucket_for(16, (4, 8, 16)) == 16
-    assert bucket_for(17, (4, 8, 16)) == 17  # beyond the largest bucket: exact size
 
 
 def test_tree_commit_moves_the_path_rows_and_matches_a_fresh_prefill(tiny):

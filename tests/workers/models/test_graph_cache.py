@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.graph_cache import GraphCache
+from workers.models.graph_cache import GraphCache
 
 
 def test_least_recently_used_entries_are_dropped_with_a_callback():

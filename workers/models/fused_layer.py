@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.attention import attend_folded
+from workers.models.attention import attend_folded
 
 # transformers' RMSNorm classes computing weight * (x * rsqrt(mean(x^2) + eps)) (not 1 + weight)
 PLAIN_NORMS = frozenset({"Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm"})

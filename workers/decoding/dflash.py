@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.drafter import DFlashDrafter
-from workers.generation import NULL_TIMER, GenerationConfig, GenerationOutput, open_generation
-from workers.sampling import sample_tokens
+from workers.decoding.generation import NULL_TIMER, GenerationConfig, GenerationOutput, open_generation
+from workers.decoding.sampling import sample_tokens
+from workers.models.drafter import DFlashDrafter
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ def new_draft_cache(drafter: DFlashDrafter, target, capacity: int):
     """The drafter's context cache for one generation: with CUDA graphs (when the target replays
     graphs) a ``DraftGraphs`` kept across generations, else a fresh ``DrafterCache``."""
     if getattr(target, "graphs", False):
-        from workers.draft_graphs import DraftGraphs
+        from workers.decoding.draft_graphs import DraftGraphs
 
         return DraftGraphs.for_run(drafter, capacity)
     return drafter.new_cache(capacity)

@@ -7,7 +7,7 @@ first long prompt:
 
 - every GPU: the CUDA context and kernel workspaces (``FIXED_BYTES``), plus the per-sequence state of
   the layers it holds (attention K/V for ``max_tokens``; Gated DeltaNet state and, for the largest
-  tree, the per-node data of ``workers.deltanet.tree_state_bytes``), spread evenly for the split;
+  tree, the per-node data of ``workers.models.deltanet.tree_state_bytes``), spread evenly for the split;
 - the GPU with the last layers and ``lm_head``: the DFlash drafter (it reads the target's
   ``lm_head`` and last taps there) and the verify pass's logits and activations.
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.errors import BadInputError
-from workers.target import text_config
+from workers.seam import text_config
 
 FIXED_BYTES = int(1.5 * 2**30)  # CUDA context, cuBLAS / attention workspaces, allocator slack
 GiB = 2**30
@@ -66,7 +66,7 @@ def layer_state_bytes(config, layer_type: str, budget: RunBudget, dtype: torch.d
     cfg = text_config(config)
     element = torch.empty((), dtype=dtype).element_size()
     if layer_type == "linear_attention":
-        from workers.deltanet import tree_state_bytes
+        from workers.models.deltanet import tree_state_bytes
 
         layers = sum(kind == "linear_attention" for kind in cfg.layer_types)
         conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
@@ -173,7 +173,7 @@ def _layers_in(name: str, num_layers: int) -> range | list[int]:
 
 def drafter_bytes_for(spec, dtype: torch.dtype) -> int:
     """Weight bytes of a DFlash drafter from its ``DrafterSpec`` (built on the meta device)."""
-    from workers.drafter import DFlashDrafter
+    from workers.models.drafter import DFlashDrafter
 
     with torch.device("meta"):
         drafter = DFlashDrafter(spec)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from workers.generation import NULL_TIMER, GenerationConfig, GenerationOutput, open_generation
-from workers.sampling import sample_tokens
+from workers.decoding.generation import NULL_TIMER, GenerationConfig, GenerationOutput, open_generation
+from workers.decoding.sampling import sample_tokens
 
 
 @torch.inference_mode()

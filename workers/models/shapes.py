@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.drafter import default_target_layer_ids
+from workers.models.drafter import default_target_layer_ids
 
 TARGETS: dict[str, dict] = {
     "qwen3-8b": {
@@ -121,7 +121,7 @@ def build_random_target(name: str, dtype: torch.dtype, device: torch.device):
 
 def build_random_drafter(name: str, target):
     """A DFlash drafter of the named target shape with random weights, beside the target's lm_head."""
-    from workers.drafter import DFlashDrafter, DrafterSpec
+    from workers.models.drafter import DFlashDrafter, DrafterSpec
 
     spec = DrafterSpec.from_dict(drafter_config(name), source=f"{RANDOM_PREFIX}{name}")
     spec.check_fits(target.config, embedding_rows=target.get_input_embeddings().weight.shape[0], source=f"{RANDOM_PREFIX}{name}")

@@ -15,11 +15,11 @@ import itertools
 import pytest
 import torch
 
-from workers import ar, ddtree, dflash
-from workers.dflash import DFlashParams
-from workers.generation import GenerationConfig, GenerationOutput, StageTimer
-from workers.target import AttentionTarget
-from workers.tree import TreeParams
+from workers.decoding import ar, ddtree, dflash
+from workers.decoding.dflash import DFlashParams
+from workers.decoding.generation import GenerationConfig, GenerationOutput, StageTimer
+from workers.decoding.tree import TreeParams
+from workers.models.reference import AttentionTarget
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -233,53 +233,6 @@ def test_ddtree_reference_tree_shape_equals_ar(request):
                     config = GenerationConfig(max_new_tokens=20)
                     out = run("ddtree", tiny, prompts(name)[index], config, params, fixture=name)
                     assert out.token_ids == expected_tokens(ar_reference(tiny, name, index), config)
-
-
-# --- bucketed verify buffers -----------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("name", ATTENTION_FIXTURES)  # bucketed buffers belong to AttentionTarget
-@pytest.mark.parametrize("buckets", [(4, 16, 64, 128), (4, 16)], ids=["b4-16-64-128", "b4-16-only"])
-def test_bucketed_verify_buffers_equal_ar(request, name, buckets):
-    """Padding the verify pass up to a bucket must not change a single token."""
-    tiny = models(request, name)
-    bucketed = AttentionTarget(tiny.model, tiny.drafter.spec.target_layer_ids, bucket_sizes=buckets)
-    widths: list[tuple[int, bool]] = []  # (query width, tree mask given) of every target forward
-
-    def record(module, args, kwargs):
-        widths.append((int(kwargs["input_ids"].shape[1]), kwargs.get("attention_mask") is not None))
-
-    hook = tiny.model.register_forward_pre_hook(record, with_kwargs=True)
-    cases = [
-        ("ar", None),
-        ("dflash", DFlashParams()),
-        ("dflash", DFlashParams(2)),
-        # budget+1 verified nodes: 2 -> 4, 4 == 4, 5 -> 16, 16 == 16, 17 -> 64, 64 == 64, 65 -> 128
-        ("ddtree", TreeParams(1)),
-        ("ddtree", TreeParams(3)),
-        ("ddtree", TreeParams(4, branching=2)),
-        ("ddtree", TreeParams(15)),
-        ("ddtree", TreeParams(16, max_depth=3)),
-        ("ddtree", TreeParams(20, branching=2)),
-        ("ddtree", TreeParams(63, branching=4)),
-        ("ddtree", TreeParams(64)),
-    ]
-    try:
-        for k, (engine, params) in enumerate(cases):
-            index = (2 * k + 1) % len(PROMPT_LENGTHS)
-            config = GenerationConfig(max_new_tokens=20, seed=k)
-            out = run(engine, tiny, prompts(name)[index], config, params, target=bucketed, fixture=name)
-            assert out.token_ids == expected_tokens(ar_reference(tiny, name, index), config), (engine, params)
-    finally:
-        hook.remove()
-        bucketed.close()
-    tree_widths = {width for width, masked in widths if masked}
-    # the padded widths were really used (not just exact sizes), including past a bucket edge
-    assert {4, 16}.issubset(tree_widths)
-    if 128 in buckets:
-        assert {64, 128}.issubset(tree_widths)
-    else:
-        assert 65 in tree_widths  # no bucket large enough: exact size
 
 
 # --- stop tokens -----------------------------------------------------------------------------------

@@ -31,8 +31,8 @@ from torch import nn
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from workers.attention import NO_CUDNN, grouped_attention
 from workers.errors import CheckpointMismatchError
+from workers.models.attention import NO_CUDNN, grouped_attention
 
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
@@ -366,10 +366,10 @@ def load_drafter(
 
     The drafter takes the target's dtype and, unless told otherwise, the device of the target's
     lm_head (it feeds that lm_head every round). ``random:<shape>`` builds a random-weight drafter
-    of that target shape (``workers.shapes``).
+    of that target shape (``workers.models.shapes``).
     """
     if name_or_path.startswith("random:"):
-        from workers.shapes import build_random_drafter
+        from workers.models.shapes import build_random_drafter
 
         try:
             return build_random_drafter(name_or_path.removeprefix("random:"), target)

@@ -8,11 +8,11 @@ import copy
 import pytest
 import torch
 
-from workers import ar, ddtree, dflash
-from workers.dflash import DFlashParams
-from workers.generation import GenerationConfig
-from workers.static_target import StaticTarget
-from workers.tree import TreeParams, build_tree
+from workers.decoding import ar, ddtree, dflash
+from workers.decoding.dflash import DFlashParams
+from workers.decoding.generation import GenerationConfig
+from workers.decoding.tree import TreeParams, build_tree
+from workers.models.static_target import StaticTarget
 
 pytestmark = [
     pytest.mark.gpu,
@@ -64,7 +64,7 @@ def test_tree_built_on_the_gpu_equals_the_cpu_tree(seed):
 def test_replayed_tree_build_equals_the_eager_build(tiny):
     """DraftGraphs.build_tree replays one captured graph per tree knobs: every replay must give
     build_tree's tree for the new logits (not the captured call's)."""
-    from workers.draft_graphs import DraftGraphs
+    from workers.decoding.draft_graphs import DraftGraphs
 
     drafter = copy.deepcopy(tiny.drafter).cuda()
     graphs = DraftGraphs.for_run(drafter, 64)

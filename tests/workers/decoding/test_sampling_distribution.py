@@ -19,11 +19,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from workers import ar, ddtree, dflash
-from workers.dflash import DFlashParams
-from workers.generation import GenerationConfig
-from workers.target import VerifyOutput
-from workers.tree import TreeParams
+from workers.decoding import ar, ddtree, dflash
+from workers.decoding.dflash import DFlashParams
+from workers.decoding.generation import GenerationConfig
+from workers.decoding.tree import TreeParams
+from workers.seam import VerifyOutput
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

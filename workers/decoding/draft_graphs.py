@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from workers.drafter import DFlashDrafter
-from workers.graph_cache import GraphCache, capture
-from workers.tree import DraftTree, TreeParams, build_tree
+from workers.decoding.tree import DraftTree, TreeParams, build_tree
+from workers.models.drafter import DFlashDrafter
+from workers.models.graph_cache import GraphCache, capture
 
 
 class DraftGraphs:

@@ -13,11 +13,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from workers import attention
-from workers.attention import attend_folded, grouped_attention
-from workers.fused_layer import FusedLayer, fused_layer_for
-from workers.static_target import StaticTarget
-from workers.tree import TreeParams, build_tree
+from workers.decoding.tree import TreeParams, build_tree
+from workers.models import attention
+from workers.models.attention import attend_folded, grouped_attention
+from workers.models.fused_layer import FusedLayer, fused_layer_for
+from workers.models.static_target import StaticTarget
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 VOCAB = 50

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.seam import DraftTree
+
 
 @dataclass(frozen=True)
 class TreeParams:
@@ -42,33 +44,6 @@ class TreeParams:
             raise ValueError(f"max_depth must be >= 1, got {self.max_depth}")
         if self.branching is not None and self.branching < 1:
             raise ValueError(f"branching must be >= 1, got {self.branching}")
-
-
-@dataclass(frozen=True)
-class DraftTree:
-    """A drafted tree of n nodes plus the root (built on CPU; ``to`` moves it for verification).
-
-    tokens:     [n]   token id of node i+1
-    depths:     [n]   depth of node i+1 (root is depth 0, so these are >= 1)
-    parents:    [n+1] parent index of each node; parents[0] = -1 for the root
-    visibility: [n+1, n+1] bool, visibility[i, j] = j is i or an ancestor of i
-    log_probs:  [n]   path log-probability of each node under the factorised drafter
-    """
-
-    tokens: torch.Tensor
-    depths: torch.Tensor
-    parents: torch.Tensor
-    visibility: torch.Tensor
-    log_probs: torch.Tensor
-
-    @property
-    def num_nodes(self) -> int:
-        return int(self.tokens.numel())
-
-    def to(self, device: torch.device) -> DraftTree:
-        """The same tree on ``device`` (one copy per round, shared by verify and the walk)."""
-        return DraftTree(*(t.to(device, non_blocking=True) for t in
-                           (self.tokens, self.depths, self.parents, self.visibility, self.log_probs)))
 
 
 def build_tree(draft_log_probs: torch.Tensor, params: TreeParams) -> DraftTree:

@@ -1,0 +1,1 @@
+"""The decoding algorithms: generation loop pieces, sampling, the DDTree tree, drafting, and one module per method."""

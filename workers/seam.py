@@ -1,0 +1,106 @@
+"""The seam between the decoding algorithms and the target model: the words both sides use.
+
+The engines (``workers.decoding``) talk to a ``Target``: prefill the prompt, verify a chain or a
+``DraftTree`` in one pass (a ``VerifyOutput`` back), commit the accepted nodes. The runner that
+implements it lives in ``workers.models`` (``static_target.make_target``). Nothing here imports
+either side, so imports run one way: shell -> decoding -> models -> seam.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from workers.errors import UnsupportedModelError
+
+# model_type values whose every layer is softmax attention over a KV cache we can index.
+ATTENTION_ONLY_TYPES = frozenset({"qwen3", "qwen3_moe", "qwen2", "qwen2_moe", "llama", "mistral"})
+# model_type values mixing Gated DeltaNet ("linear_attention") and "full_attention" layers.
+HYBRID_TYPES = frozenset({"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"})
+HYBRID_LAYER_TYPES = frozenset({"linear_attention", "full_attention"})
+
+
+def text_config(config):
+    """The language model's config (multimodal Qwen3.5 / 3.6 checkpoints nest it as ``text_config``)."""
+    inner = getattr(config, "text_config", None)
+    return inner if inner is not None else config
+
+
+def is_hybrid(config) -> bool:
+    return getattr(config, "model_type", None) in HYBRID_TYPES
+
+
+def check_supported(config) -> None:
+    """Refuse, by name, an architecture whose output the engines cannot guarantee to be exact."""
+    model_type = getattr(config, "model_type", "?")
+    supported = ", ".join(sorted(ATTENTION_ONLY_TYPES | HYBRID_TYPES))
+    if model_type in HYBRID_TYPES:
+        layer_types = set(getattr(text_config(config), "layer_types", None) or ())
+        if not layer_types or not layer_types <= HYBRID_LAYER_TYPES:
+            raise UnsupportedModelError(
+                f"target architecture '{model_type}' with layer types {sorted(layer_types)} is not supported "
+                f"(hybrid layers must be {sorted(HYBRID_LAYER_TYPES)})"
+            )
+        return
+    if model_type not in ATTENTION_ONLY_TYPES:
+        raise UnsupportedModelError(f"target architecture '{model_type}' is not supported (supported: {supported})")
+    if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        raise UnsupportedModelError(f"target architecture '{model_type}' with sliding-window layers is not supported")
+
+
+@dataclass(frozen=True)
+class VerifyOutput:
+    logits: torch.Tensor  # [q, V] float, one row per verified node (root first)
+    taps: torch.Tensor  # [1, q, k*H] hidden states after the tapped layers, on the drafter's device
+
+
+class Target(Protocol):
+    """What an engine needs from the target model (batch 1, one sequence at a time)."""
+
+    model: torch.nn.Module
+    device: torch.device
+    graphs: bool  # verify passes replay CUDA graphs (then the drafter may replay its own)
+
+    def start(self, capacity: int, max_verify: int) -> None: ...
+    def prefill(self, input_ids: torch.Tensor) -> VerifyOutput: ...
+    def verify_chain(self, tokens: torch.Tensor) -> VerifyOutput: ...
+    def verify_tree(self, root_token: torch.Tensor, tree: DraftTree) -> VerifyOutput: ...
+    def commit(self, kept: torch.Tensor) -> None: ...
+
+
+class Timer(Protocol):
+    """A stage timer (``workers.decoding.generation``): seconds per named stage of a round."""
+
+    @property
+    def totals(self) -> dict[str, float]: ...
+    def stage(self, name: str) -> AbstractContextManager[None]: ...
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A drafted tree of n nodes plus the root (built on CPU; ``to`` moves it for verification).
+
+    tokens:     [n]   token id of node i+1
+    depths:     [n]   depth of node i+1 (root is depth 0, so these are >= 1)
+    parents:    [n+1] parent index of each node; parents[0] = -1 for the root
+    visibility: [n+1, n+1] bool, visibility[i, j] = j is i or an ancestor of i
+    log_probs:  [n]   path log-probability of each node under the factorised drafter
+    """
+
+    tokens: torch.Tensor
+    depths: torch.Tensor
+    parents: torch.Tensor
+    visibility: torch.Tensor
+    log_probs: torch.Tensor
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.numel())
+
+    def to(self, device: torch.device) -> DraftTree:
+        """The same tree on ``device`` (one copy per round, shared by verify and the walk)."""
+        return DraftTree(*(t.to(device, non_blocking=True) for t in
+                           (self.tokens, self.depths, self.parents, self.visibility, self.log_probs)))
