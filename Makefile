@@ -1,13 +1,15 @@
 # Set-up and the two everyday commands. Everything installs into .venv on first use.
 #   make demo   - the main job: a DDTree sweep on offline tiny models (CPU, a few minutes), then its report
-#   make test   - the test suite (CPU)
+#   make test   - the test suite (CPU; the README's test command)
+#   make test-fast - the unit tests without the real subprocess sweeps (a few minutes)
+#   make lint   - ruff: pyflakes, import order, line length (CI runs it before the tests)
 # TORCH picks the torch requirement: the default is the CPU build; on a CUDA machine use TORCH=torch.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test
+.PHONY: install demo test test-fast lint
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,3 +27,9 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not sweep"
+
+lint: install
+	$(PY) -m ruff check workers orchestrator tests benchmarks

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from workers.decoding import ar, ddtree, dflash
+from workers.decoding.drafting import DraftGraphStore
 from workers.decoding.generation import GenerationConfig, StageTimer, device_sync
 from workers.decoding.tree import TreeParams
 from workers.memory import MemoryTracer
@@ -23,7 +24,7 @@ from workers.models.drafter import DFlashDrafter, DrafterSpec
 from workers.models.static_target import make_target
 from workers.prompts import Prompt
 from workers.tiny import write_tiny_pair
-from workers.worker import Method, TrialSpec, Worker, WorkerConfig
+from workers.worker import TrialSpec, Worker, WorkerConfig
 
 
 def random_pair(layers: int, hidden: int, vocab: int, device: torch.device):
@@ -60,11 +61,13 @@ def main() -> None:
     baseline = None
     print(f"{'setting':>14} {'tok/s':>8} {'tau':>5} {'ms/round':>9} {'draft':>6} {'tree':>6} {'verify':>7} "
           f"{'commit':>7} {'match':>6} {'peak GiB':>9}")
+    store = DraftGraphStore()  # the drafter's graphs, as the Worker keeps them
     for name, generate, draft, params in runs:
-        generate(target, draft, prompt, GenerationConfig(16), params)  # warm-up
+        graphs = store if draft is not None else None
+        generate(target, draft, prompt, GenerationConfig(16), params, draft_graphs=graphs)  # warm-up
         with MemoryTracer(interval_ms=20) as tracer:
-            untimed = generate(target, draft, prompt, config, params)
-        timed = generate(target, draft, prompt, config, params, StageTimer(device_sync(device)))
+            untimed = generate(target, draft, prompt, config, params, draft_graphs=graphs)
+        timed = generate(target, draft, prompt, config, params, StageTimer(device_sync(device)), draft_graphs=graphs)
         baseline = baseline or [untimed]
         m = summarize([untimed], baseline)
         ms_round = 1000 * untimed.decode_s / untimed.num_rounds
@@ -81,8 +84,8 @@ def main() -> None:
         worker = Worker(WorkerConfig(str(target_dir), str(drafter_dir), dtype="float32", device="cuda")).load()
         prompts = (Prompt(input_ids=(1, 2, 3, 4, 5, 6)),)
         started = time.perf_counter()
-        oom = worker.run_trial(TrialSpec(Method.DDTREE, prompts, max_new_tokens=16, tree_budget=300_000))
-        after = worker.run_trial(TrialSpec(Method.DDTREE, prompts, max_new_tokens=16, tree_budget=32))
+        oom = worker.run_trial(TrialSpec(TreeParams(300_000), prompts, max_new_tokens=16))
+        after = worker.run_trial(TrialSpec(TreeParams(32), prompts, max_new_tokens=16))
         print(f"oom trial: status={oom.status} peak_memory_gib={oom.metrics['peak_memory_gib']:.2f} "
               f"({time.perf_counter() - started:.1f}s); next trial: status={after.status} "
               f"lossless_match={after.metrics.get('lossless_match')} samples={len(after.memory_trace.samples)} "

@@ -22,8 +22,7 @@ from workers.decoding import ar, ddtree, dflash
 from workers.decoding.generation import GenerationConfig, StageTimer
 from workers.decoding.tree import TreeParams
 from workers.metrics import summarize
-from workers.models.drafter import load_drafter
-from workers.models.loading import Placement, load_target
+from workers.models.loading import Placement, load_drafter, load_target
 from workers.models.static_target import make_target
 from workers.tiny import TinyShape, write_tiny_pair
 

@@ -25,8 +25,7 @@ from gpu_speed import median_ms  # a sibling script: benchmarks/ is on sys.path
 from torch.profiler import ProfilerActivity, profile
 
 from workers.decoding import ddtree
-from workers.decoding.dflash import draft_block
-from workers.decoding.draft_graphs import DraftGraphs
+from workers.decoding.drafting import DraftGraphStore, EagerDrafting
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.tree import TreeParams
 from workers.models.shapes import build_random_drafter, build_random_target
@@ -154,16 +153,17 @@ def main() -> int:
     target.start(capacity=args.context + 600, max_verify=64)
     opening = target.prefill(prompt)
     bonus = prompt[0, -1:].clone()
-    cache = drafter.new_cache(args.context + 600)
-    draft_block(drafter, target, cache, bonus, opening.taps, 15)
-    eager_ms = median_ms(lambda: (draft_block(drafter, target, cache, bonus, opening.taps[:, -4:], 15),
-                                  setattr(cache, "length", cache.length - 4)))
-    graphs = DraftGraphs.for_run(drafter, args.context + 600)
-    draft_block(drafter, target, graphs, bonus, opening.taps, 15)
-    graph_ms = median_ms(lambda: (draft_block(drafter, target, graphs, bonus, opening.taps[:, -4:], 15),
+    eager = EagerDrafting(drafter, target, args.context + 600)
+    eager.draft(bonus, opening.taps, 15)
+    eager_ms = median_ms(lambda: (eager.draft(bonus, opening.taps[:, -4:], 15),
+                                  setattr(eager.cache, "length", eager.cache.length - 4)))
+    store = DraftGraphStore()
+    graphs = store.open(drafter, target, args.context + 600)
+    graphs.draft(bonus, opening.taps, 15)
+    graph_ms = median_ms(lambda: (graphs.draft(bonus, opening.taps[:, -4:], 15),
                                   setattr(graphs.cache, "length", graphs.cache.length - 4)))
     lines.append(f"drafter pass (4 new context tokens, 15 rows): eager {eager_ms:.2f} ms, graph {graph_ms:.2f} ms")
-    kernel_breakdown(lambda: (draft_block(drafter, target, graphs, bonus, opening.taps[:, -4:], 15),
+    kernel_breakdown(lambda: (graphs.draft(bonus, opening.taps[:, -4:], 15),
                               setattr(graphs.cache, "length", graphs.cache.length - 4)), "drafter graph", lines)
     draft_logits = torch.randn(15, model.config.vocab_size, device="cuda")
     for budget in (16, 256):
@@ -175,7 +175,7 @@ def main() -> int:
     config = GenerationConfig(max_new_tokens=96)
     for budget in (16, 64, 256):
         params = TreeParams(budget)
-        run = lambda p=params: ddtree.generate(target, drafter, prompt, config, p)  # noqa: E731
+        run = lambda p=params: ddtree.generate(target, drafter, prompt, config, p, draft_graphs=store)  # noqa: E731
         run()
         begin = time.perf_counter()
         out = run()

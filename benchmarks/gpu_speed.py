@@ -22,8 +22,8 @@ import time
 import torch
 
 from workers.decoding import ar, ddtree, dflash
-from workers.decoding.dflash import DFlashParams, draft_block
-from workers.decoding.draft_graphs import DraftGraphs
+from workers.decoding.dflash import DFlashParams
+from workers.decoding.drafting import DraftGraphStore, EagerDrafting
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.tree import TreeParams, build_tree, follow_tree
 from workers.models.reference import AttentionTarget
@@ -131,13 +131,14 @@ def main() -> int:
     # --- drafter and the host-side tree work ----------------------------------------------------------
     graphed.start(capacity=args.context + 600, max_verify=1025)
     opening = graphed.prefill(prompt)
-    cache = drafter.new_cache(args.context + 600)
+    eager_drafting = EagerDrafting(drafter, graphed, args.context + 600)
     bonus = prompt[0, -1:].clone()
     context = opening.taps
-    draft_ms = median_ms(lambda: draft_block(drafter, graphed, cache, bonus, context[:, -1:], 15), args.reps)
-    graphs = DraftGraphs.for_run(drafter, args.context + 600)
-    draft_block(drafter, graphed, graphs, bonus, context, 15)  # the prompt's context, eagerly
-    graph_ms = median_ms(lambda: draft_block(drafter, graphed, graphs, bonus, context[:, -1:], 15), args.reps)
+    draft_ms = median_ms(lambda: eager_drafting.draft(bonus, context[:, -1:], 15), args.reps)
+    store = DraftGraphStore()  # the drafter's graphs, kept for the rounds below as the Worker keeps them
+    graphs = store.open(drafter, graphed, args.context + 600)
+    graphs.draft(bonus, context, 15)  # the prompt's context, eagerly
+    graph_ms = median_ms(lambda: graphs.draft(bonus, context[:, -1:], 15), args.reps)
     lines.append(f"drafter forward (block {drafter.block_size}) + lm_head on 15 rows: {draft_ms:.2f} ms eager, "
                  f"{graph_ms:.2f} ms graph")
     lines.append(f"{'B':>5} {'build ms':>9} {'K<=8':>6} {'graph ms':>9} {'K<=8':>6} {'walk ms':>8} {'commit ms':>10}"
@@ -175,8 +176,9 @@ def main() -> int:
     for name, engine, params in cases:
         results = []
         for runner in (eager, graphed):
-            engine(runner, drafter if params else None, prompt, GenerationConfig(max_new_tokens=8), params)  # warm-up
-            out = engine(runner, drafter if params else None, prompt, config, params)
+            draft = {"draft_graphs": store} if params else {}
+            engine(runner, drafter if params else None, prompt, GenerationConfig(max_new_tokens=8), params, **draft)  # warm-up
+            out = engine(runner, drafter if params else None, prompt, config, params, **draft)
             results.append(out)
         per_round = [o.decode_s / max(o.num_rounds, 1) * 1e3 for o in results]
         same = results[0].token_ids == results[1].token_ids

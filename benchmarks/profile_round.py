@@ -10,7 +10,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from workers.decoding.dflash import draft_block
+from workers.decoding.drafting import EagerDrafting
 from workers.models.shapes import build_random_drafter, build_random_target
 from workers.models.static_target import StaticTarget
 
@@ -27,10 +27,10 @@ def main() -> int:
     prompt = torch.randint(1, 30000, (1, 1024), device="cuda")
     target.start(capacity=2048, max_verify=64)
     opening = target.prefill(prompt)
-    cache = drafter.new_cache(2048)
-    draft_block(drafter, target, cache, prompt[0, -1:], opening.taps, 15)  # context in the cache
+    drafting = EagerDrafting(drafter, target, 2048)
+    drafting.draft(prompt[0, -1:], opening.taps, 15)  # context in the cache
     print("drafter param devices/dtypes:", {(str(p.device), str(p.dtype)) for p in drafter.parameters()})
-    for name, call in (("draft_block", lambda: draft_block(drafter, target, cache, prompt[0, -1:], opening.taps[:, -1:], 15)),
+    for name, call in (("drafter pass", lambda: drafting.draft(prompt[0, -1:], opening.taps[:, -1:], 15)),
                        (f"eager verify q={args.q}", lambda: target.verify_chain(prompt[0, : args.q]))):
         call()
         torch.cuda.synchronize()

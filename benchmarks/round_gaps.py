@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from workers.decoding import ar, ddtree, dflash
 from workers.decoding.dflash import DFlashParams
+from workers.decoding.drafting import DraftGraphStore
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.tree import TreeParams
 from workers.models.shapes import build_random_drafter, build_random_target
@@ -81,6 +82,7 @@ def main() -> int:
     target = StaticTarget(model, drafter.spec.target_layer_ids, graphs=True)
     prompt = torch.randint(1, model.config.vocab_size - 1, (1, 64), device="cuda")
     config = GenerationConfig(max_new_tokens=96)
+    store = DraftGraphStore()  # the drafter's graphs, as the Worker keeps them
     if args.method == "ddtree":
         cases = [(f"ddtree B={b}", ddtree.generate, TreeParams(b)) for b in (args.budget or [16, 64, 256])]
     elif args.method == "dflash":
@@ -89,7 +91,8 @@ def main() -> int:
         cases = [("ar", ar.generate, None)]
     lines = [f"{'case':>14} {'rounds':>6} {'wall ms/round':>13} {'kernels ms/round':>16} {'idle ms/round':>13}  idle by stage (ms/round)"]
     for name, engine, params in cases:
-        run = lambda e=engine, p=params, t=None: e(target, drafter if p else None, prompt, config, p, **({"timer": t} if t else {}))  # noqa: E731
+        run = lambda e=engine, p=params, t=None: e(target, drafter if p else None, prompt, config, p,  # noqa: E731
+                                                   **({"timer": t} if t else {}), draft_graphs=store if p else None)
         run()  # captures every graph this case needs
         begin = time.perf_counter()
         out = run()

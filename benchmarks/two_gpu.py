@@ -16,10 +16,13 @@ from pathlib import Path
 
 import torch
 
-from workers.models.drafter import DFlashDrafter, DrafterSpec, save_drafter
+from workers.decoding.dflash import DFlashParams
+from workers.decoding.tree import TreeParams
+from workers.models.drafter import DFlashDrafter, DrafterSpec
+from workers.models.loading import save_drafter
 from workers.models.static_target import StaticTarget
 from workers.prompts import Prompt
-from workers.worker import Method, TrialSpec, Worker, WorkerConfig
+from workers.worker import TrialSpec, Worker, WorkerConfig
 
 
 def write_checkpoints(folder: Path) -> tuple[Path, Path]:
@@ -59,8 +62,8 @@ def main() -> int:
         generator = torch.Generator().manual_seed(0)
         prompts = tuple(Prompt(input_ids=tuple(torch.randint(1, 31000, (200,), generator=generator).tolist()))
                         for _ in range(3))
-        for spec in (TrialSpec(Method.DDTREE, prompts, max_new_tokens=64, tree_budget=64, stop_token_ids=()),
-                     TrialSpec(Method.DFLASH, prompts, max_new_tokens=64, stop_token_ids=())):
+        for spec in (TrialSpec(TreeParams(64), prompts, max_new_tokens=64, stop_token_ids=()),
+                     TrialSpec(DFlashParams(), prompts, max_new_tokens=64, stop_token_ids=())):
             result = worker.run_trial(spec)
             m = result.metrics
             print(f"{spec.method.value}: status {result.status} {result.error or ''} lossless_match {m.get('lossless_match')} "

@@ -16,17 +16,13 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from workers.decoding.knobs import MethodParams
+from workers.decoding.methods import METHODS, Method
 from workers.errors import BadInputError
 from workers.prompts import BENCHMARKS, PromptSource
 
 # Metrics a sweep can optimise or constrain (names as in DESIGN.md and the worker's results).
 METRICS = ("tokens_per_s", "tau", "speedup", "ttft_s", "tpot_s", "peak_memory_gib", "lossless_match")
-# Tunable parameters per method; each maps to a TrialSpec field of the same name.
-METHOD_PARAMS = {
-    "ddtree": ("tree_budget", "max_depth", "branching"),
-    "dflash": ("num_draft_tokens",),
-    "ar": (),
-}
 _MEMORY = re.compile(r"^\d+(\.\d+)?\s*(GiB|GB|MiB|MB)$")
 
 
@@ -160,9 +156,16 @@ class MemoryTraceSection(_Strict):
     interval_ms: float = Field(50.0, gt=0)
 
 
+class MeasurementSection(_Strict):
+    stage_timing: bool = Field(
+        False, description="per-stage shares (share_*): synchronises the device around every stage, so tokens/s drops; "
+        "the AR baseline is then timed the same way"
+    )
+
+
 class SweepConfig(_Strict):
     name: str = Field(min_length=1, description="Optuna study name; the same file resumes the same study")
-    method: Literal["ddtree", "dflash", "ar"]
+    method: Literal[tuple(m.value for m in METHODS)]  # type: ignore[valid-type]
     target: TargetSection
     drafter: DrafterSection | None = None
     workers: WorkersSection = WorkersSection()
@@ -178,10 +181,26 @@ class SweepConfig(_Strict):
     mlflow: MlflowSection = MlflowSection()
     ray: RaySection = RaySection()
     memory_trace: MemoryTraceSection = MemoryTraceSection()
+    measurement: MeasurementSection = MeasurementSection()
+
+    @property
+    def method_params(self) -> type[MethodParams]:
+        """The parameter type of this sweep's method (its knobs: ``KNOBS``)."""
+        return METHODS[Method(self.method)].params
+
+    def knob_values(self) -> dict[str, tuple[str, list[int | None]]]:
+        """Knob name -> (where it is set in the file, every value a trial can get), for set knobs."""
+        found: dict[str, tuple[str, list[int | None]]] = {}
+        for name in self.method_params.knob_names():
+            if name in self.search_space:
+                found[name] = (f"search_space.{name}", self.search_space[name].values())
+            elif name in self.fixed_params:
+                found[name] = (f"fixed_params.{name}", [self.fixed_params[name]])
+        return found
 
     @model_validator(mode="after")
     def _cross_field(self) -> SweepConfig:
-        allowed = METHOD_PARAMS[self.method]
+        allowed = self.method_params.knob_names()
         for section in ("search_space", "fixed_params"):
             for name in getattr(self, section):
                 if name not in allowed:
@@ -189,24 +208,16 @@ class SweepConfig(_Strict):
                         f"{section}.{name}: not a parameter of method '{self.method}' "
                         f"(its parameters: {', '.join(allowed) or 'none'})"
                     )
-        for name in allowed:  # every setting a trial can get must be a valid engine parameter
-            if name in self.search_space:
-                values, where = self.search_space[name].values(), f"search_space.{name}"
-            elif name in self.fixed_params:
-                values, where = [self.fixed_params[name]], f"fixed_params.{name}"
-            else:
-                continue
-            if name == "tree_budget" and None in values:
-                raise ValueError(f"{where}: a tree budget must be a number (null is not allowed)")
-            if any(v is not None and v < 1 for v in values):
-                raise ValueError(f"{where}: values must be >= 1 (got {min(v for v in values if v is not None)})")
         both = set(self.search_space) & set(self.fixed_params)
         if both:
             raise ValueError(f"fixed_params and search_space both set {sorted(both)}")
-        if self.method != "ar" and self.drafter is None:
+        check_knobs(self, None)  # every setting a trial can get must be a valid engine parameter
+        if METHODS[Method(self.method)].needs_drafter and self.drafter is None:
             raise ValueError(f"drafter: method '{self.method}' needs a drafter")
-        if self.method == "ddtree" and "tree_budget" not in self.search_space and "tree_budget" not in self.fixed_params:
-            raise ValueError("search_space.tree_budget: method 'ddtree' needs a tree budget (swept or fixed)")
+        for knob in self.method_params.KNOBS:
+            if knob.required and knob.name not in self.knob_values():
+                noun = knob.name.replace("_", " ")
+                raise ValueError(f"search_space.{knob.name}: method '{self.method}' needs a {noun} (swept or fixed)")
         metrics = [objective.metric for objective in self.objectives]
         if len(set(metrics)) != len(metrics):
             raise ValueError(f"objectives: the same metric twice ({metrics})")
@@ -321,27 +332,27 @@ def drafter_block_size(config: SweepConfig) -> int | None:
         raise BadInputError(f"{path}: cannot read the drafter's block_size ({exc})") from exc
 
 
+def check_knobs(config: SweepConfig, block_size: int | None) -> None:
+    """Every value a trial can get, checked by its knob (and against the drafter's block when known);
+    ValueError names the field as written in the sweep file."""
+    by_name = {knob.name: knob for knob in config.method_params.KNOBS}
+    for name, (where, values) in config.knob_values().items():
+        try:
+            by_name[name].check(values, block_size)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {str(exc).removeprefix(name + ' ')}") from None
+
+
 def check_against_block(config: SweepConfig, block_size: int | None, source: str) -> None:
     """Depth and chain-length settings must fit the drafter's block (1..block_size-1)."""
-    if block_size is None:
-        return
-    limit = block_size - 1
-    for name in ("max_depth", "num_draft_tokens"):
-        values: list[int | None] = []
-        if name in config.search_space:
-            values = config.search_space[name].values()
-        elif name in config.fixed_params:
-            values = [config.fixed_params[name]]
-        too_big = [v for v in values if v is not None and v > limit]
-        if too_big:
-            where = "search_space" if name in config.search_space else "fixed_params"
-            raise BadInputError(
-                f"{source}: {where}.{name}: {max(too_big)} exceeds the drafter's block_size-1 = {limit}"
-            )
+    try:
+        check_knobs(config, block_size)
+    except ValueError as exc:
+        raise BadInputError(f"{source}: {exc}") from None
 
 
 def thinking_warning(config: SweepConfig) -> str | None:
     """A warning when the sweep turns thinking on with a drafter that does not declare it."""
-    from workers.models.drafter import thinking_warning as warning_for
+    from workers.models.loading import thinking_warning as warning_for
 
     return warning_for(config.drafter.model if config.drafter else None, config.prompts.enable_thinking)

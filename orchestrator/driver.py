@@ -28,7 +28,7 @@ from orchestrator.pool import ACTOR_DEATH, Slot, replace_actor, start_pool
 from orchestrator.progress import Progress
 from orchestrator.tracking import STATUS_TAG, TRIAL_TAG, Tracker
 from workers.prompts import load_source
-from workers.worker import Method, TrialSpec
+from workers.worker import TrialSpec, TrialStatus
 
 EXIT_OK, EXIT_INTERRUPTED = 0, 130
 MAX_ATTEMPTS = 2  # a trial whose actor died is re-run once on the restarted actor, then failed
@@ -145,14 +145,14 @@ class Driver:
     def _spec(self, params: dict[str, Any], fault: str | None) -> TrialSpec:
         gen = self.config.generation
         return TrialSpec(
-            method=Method(self.config.method),
+            params=self.config.method_params.from_mapping(params),
             prompts=self.prompts,
             max_new_tokens=self.config.prompts.max_new_tokens,
             temperature=gen.temperature,
             seed=gen.seed,
             stop_token_ids=tuple(gen.stop_token_ids) if gen.stop_token_ids is not None else None,
+            stage_timing=self.config.measurement.stage_timing,
             fault=fault,
-            **params,
         )
 
     def _submit_new(self, slot: Slot) -> None:
@@ -179,15 +179,15 @@ class Driver:
             self.tracker.fail(job.run_id, f"{type(exc).__name__}: {exc}")
             self.study.tell(job.trial_number, state=TrialState.FAIL, skip_if_finished=True)
             return
-        status = result["status"]
-        if status == "error":
-            self.tracker.fail(job.run_id, result["error"] or "unknown error")
+        if result.status is TrialStatus.ERROR:
+            self.tracker.fail(job.run_id, result.error or "unknown error")
             self.study.tell(job.trial_number, state=TrialState.FAIL, skip_if_finished=True)
-            self.progress.note(f"trial {job.trial_number} failed: {str(result['error']).splitlines()[0]}")
+            self.progress.note(f"trial {job.trial_number} failed: {str(result.error).splitlines()[0]}")
             return
         self.tracker.finish_child(job.run_id, result, job.started_ms)  # MLflow first: see the module docstring
-        studies.tell_result(self.study, job.trial_number, self.config, result["metrics"], oom=status == "oom")
-        if status == "oom":
+        oom = result.status is TrialStatus.OOM
+        studies.tell_result(self.study, job.trial_number, self.config, result.metrics, oom=oom)
+        if oom:
             self.progress.note(f"trial {job.trial_number}: out of memory, recorded as infeasible")
 
     def _actor_died(self, job: InFlight, exc: Exception) -> None:

@@ -1,7 +1,7 @@
 """Ray actors that keep a target and a drafter resident and run trials, one in flight per actor.
 
 The actor is a thin shell over ``workers.worker.Worker``: the models load in ``__init__`` (so a
-Ray restart reloads them), ``run_trial`` returns the result as a plain dict. Ray gives an actor
+Ray restart reloads them), ``run_trial`` returns the typed ``TrialResult`` (pickled by Ray). Ray gives an actor
 ``num_gpus=k`` GPUs by setting CUDA_VISIBLE_DEVICES before its code runs; a 0-GPU actor would
 inherit every GPU under Ray 2.60, so it gets CUDA_VISIBLE_DEVICES="" explicitly.
 """
@@ -17,7 +17,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from orchestrator.config import SweepConfig
 from workers.errors import BadInputError
-from workers.worker import TrialSpec, Worker, WorkerConfig
+from workers.worker import TrialResult, TrialSpec, Worker, WorkerConfig
 
 ACTOR_DEATH = (ActorDiedError, ActorUnavailableError, RayActorError)
 
@@ -43,8 +43,8 @@ class GenerationActor:
             "load_error": self.load_error,
         }
 
-    def run_trial(self, spec: TrialSpec) -> dict[str, Any]:
-        return self.worker.run_trial(spec).to_dict()
+    def run_trial(self, spec: TrialSpec) -> TrialResult:
+        return self.worker.run_trial(spec)
 
 
 def worker_config(config: SweepConfig) -> dict[str, Any]:

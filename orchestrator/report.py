@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pandas as pd
 
+from workers.decoding.methods import all_knobs
 from workers.errors import BadInputError
 
-PARAM_COLUMNS = ("tree_budget", "max_depth", "branching", "num_draft_tokens")
+PARAM_COLUMNS = tuple(knob.name for knob in all_knobs())  # every method's knobs, from the registry
 METRIC_COLUMNS = ("tokens_per_s", "tau", "speedup", "peak_memory_gib", "ttft_s", "tpot_s", "lossless_match")
 
 

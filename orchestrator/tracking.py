@@ -13,13 +13,16 @@ import json
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.tracking import MlflowClient
 
 from workers.errors import BadInputError
 from workers.memory import MemoryTrace
+
+if TYPE_CHECKING:
+    from workers.worker import TrialResult
 
 STUDY_TAG = "sweep_study"
 FINGERPRINT_TAG = "sweep_fingerprint"
@@ -129,24 +132,25 @@ class Tracker:
         self.client.log_text(run_id, error, "error.txt")
         self.client.set_terminated(run_id, "FAILED")
 
-    def finish_child(self, run_id: str, result: dict[str, Any], started_ms: int) -> None:
-        """Metrics, memory trace (step metrics + CSV + PNG), histogram and the raw result; FINISHED."""
-        metrics = {k: v for k, v in result["metrics"].items() if isinstance(v, (int, float)) and v is not None}
+    def finish_child(self, run_id: str, result: TrialResult, started_ms: int) -> None:
+        """Metrics, memory trace (step metrics + CSV + PNG), histogram and the result's JSON; FINISHED."""
+        metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float)) and v is not None}
         now = int(time.time() * 1000)
         entries = [Metric(k, float(v), now, 0) for k, v in metrics.items()]
-        trace = MemoryTrace.from_dict(result["memory_trace"])
+        trace = result.memory_trace
         entries += _trace_metrics(trace, started_ms)
-        for length, count in result["acceptance_histogram"].items():
+        for length, count in result.acceptance_histogram.items():
             entries.append(Metric("acceptance_hist", float(count), now, int(length)))
-        tags = [RunTag(STATUS_TAG, result["status"])]
+        tags = [RunTag(STATUS_TAG, result.status.value)]
         for start in range(0, max(len(entries), 1), BATCH):
             self.client.log_batch(run_id, metrics=entries[start : start + BATCH], tags=tags if start == 0 else [])
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp)
             _write_trace_csv(trace, folder / "memory_trace.csv")
             _plot_trace(trace, folder / "memory_trace.png")
-            (folder / "acceptance_histogram.json").write_text(json.dumps(result["acceptance_histogram"]))
-            (folder / "result.json").write_text(json.dumps({k: v for k, v in result.items() if k != "outputs"}))
+            payload = result.to_json()  # the same shape as `python -m workers.bench --json`
+            (folder / "acceptance_histogram.json").write_text(json.dumps(payload["acceptance_histogram"]))
+            (folder / "result.json").write_text(json.dumps(payload))
             self.client.log_artifacts(run_id, str(folder))
         self.client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
 

@@ -12,8 +12,12 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from workers.models.drafter import DFlashDrafter, load_drafter  # noqa: E402
-from workers.models.loading import Placement, load_target  # noqa: E402
+from workers.models.drafter import DFlashDrafter
+from workers.models.loading import (  # noqa: E402
+    Placement,
+    load_drafter,  # noqa: E402
+    load_target,
+)
 from workers.models.static_target import make_target  # noqa: E402
 from workers.tiny import TinyShape, write_tiny_pair  # noqa: E402
 

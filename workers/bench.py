@@ -25,8 +25,10 @@ import os
 import sys
 from typing import NoReturn
 
+from workers.decoding.knobs import MethodParams
+from workers.decoding.methods import METHODS, Method, all_knobs
 from workers.errors import BadInputError
-from workers.models.loading import DTYPES
+from workers.models.loading import DTYPES, ModelSource
 from workers.prompts import BENCHMARKS
 
 
@@ -68,11 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target model: hub id, local folder, or random:<shape> (shapes: qwen3-8b, qwen3.6-27b)")
     p.add_argument("--drafter", help="DFlash drafter checkpoint: hub id, local folder or random:<shape> "
                    "(needed for dflash/ddtree)")
-    p.add_argument("--method", required=True, choices=["ar", "dflash", "ddtree"])
-    p.add_argument("--tree-budget", type=_positive("--tree-budget"), help="DDTree nodes besides the root")
-    p.add_argument("--max-depth", type=_positive("--max-depth"), help="DDTree depth cap (default block_size-1)")
-    p.add_argument("--branching", type=_positive("--branching"), help="DDTree children per node (default unlimited)")
-    p.add_argument("--num-draft-tokens", type=_positive("--num-draft-tokens"), help="DFlash chain length")
+    p.add_argument("--method", required=True, choices=[m.value for m in METHODS])
+    for knob in all_knobs():  # every method's parameters, from the registry
+        p.add_argument(knob.flag, type=_positive(knob.flag), help=knob.help)
     p.add_argument("--prompts", help='JSONL: {"prompt": "..."} or {"input_ids": [...]} per line; with --dataset, '
                    "a local copy of that dataset (.jsonl/.json/.parquet)")
     p.add_argument("--dataset", choices=sorted(BENCHMARKS), help="a named benchmark (hub, or --prompts offline)")
@@ -92,33 +92,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cuda-graphs", action="store_true", help="run verify passes eagerly (debugging)")
     p.add_argument("--compile-layers", action="store_true", help="torch.compile the target's layers (GPU)")
     p.add_argument("--no-baseline", action="store_true", help="skip the AR baseline (no speedup / lossless_match)")
+    p.add_argument("--stage-timing", action="store_true",
+                   help="time each round stage (share_* metrics); synchronises the device, so it slows decoding")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return p
 
 
-def _check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    if args.prompts is None and args.dataset is None and not args.target.startswith("random:"):
+def _method_params(args: argparse.Namespace, parser: argparse.ArgumentParser) -> MethodParams:
+    """The method's parameter object from its flags; another method's flags are refused."""
+    if args.prompts is None and args.dataset is None and not ModelSource.parse(args.target).is_random:
         parser.error("give --prompts FILE, --dataset NAME, or both")
-    if args.method in ("dflash", "ddtree") and not args.drafter:
+    entry = METHODS[Method(args.method)]
+    if entry.needs_drafter and not args.drafter:
         parser.error(f"--method {args.method} needs --drafter")
-    if args.method == "ddtree" and args.tree_budget is None:
-        parser.error("--method ddtree needs --tree-budget")
-    if args.method != "ddtree" and any(v is not None for v in (args.tree_budget, args.max_depth, args.branching)):
-        parser.error(f"--tree-budget/--max-depth/--branching apply to --method ddtree, not {args.method}")
-    if args.method != "dflash" and args.num_draft_tokens is not None:
-        parser.error(f"--num-draft-tokens applies to --method dflash, not {args.method}")
+    own = set(entry.params.knob_names())
+    for method, other in METHODS.items():  # another method's flags: name that method
+        flags = [knob.flag for knob in other.params.KNOBS]
+        if other is not entry and any(getattr(args, knob.name) is not None for knob in other.params.KNOBS):
+            verb = "applies" if len(flags) == 1 else "apply"
+            parser.error(f"{'/'.join(flags)} {verb} to --method {method.value}, not {args.method}")
+    for knob in entry.params.KNOBS:
+        if knob.required and getattr(args, knob.name) is None:
+            parser.error(f"--method {args.method} needs {knob.flag}")
+    return entry.params.from_mapping({name: getattr(args, name) for name in own})
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _check_flags(args, parser)
+    params = _method_params(args, parser)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
-    from workers.models.drafter import thinking_warning
+    from workers.models.loading import thinking_warning
     from workers.prompts import PromptSource, load_source
-    from workers.worker import Method, TrialSpec, Worker, WorkerConfig
+    from workers.worker import TrialSpec, TrialStatus, Worker, WorkerConfig
 
     try:
         random_prompts = args.prompts is None and args.dataset is None  # a random:<shape> target
@@ -135,34 +143,32 @@ def main(argv: list[str] | None = None) -> int:
         if random_prompts:
             rows = worker.model.get_input_embeddings().weight.shape[0]
             prompts = _random_prompts(args.limit or 4, args.prompt_length, rows - 1, args.seed)
-        block = worker.block_size
-        for flag, value in (("--max-depth", args.max_depth), ("--num-draft-tokens", args.num_draft_tokens)):
-            if value is not None and block is not None and value > block - 1:
-                raise BadInputError(f"{flag} {value} exceeds the drafter's block_size-1 = {block - 1}")
+        for knob in params.KNOBS:  # depth / chain length must fit the drafter's block
+            try:
+                knob.check([getattr(params, knob.attribute)], worker.block_size)
+            except ValueError as exc:
+                raise BadInputError(f"{knob.flag}: {exc}") from None
     except BadInputError as exc:
         print(f"workers.bench: error: {exc}", file=sys.stderr)
         return 2
 
     spec = TrialSpec(
-        method=Method(args.method),
+        params=params,
         prompts=tuple(prompts),
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         seed=args.seed,
-        tree_budget=args.tree_budget,
-        max_depth=args.max_depth,
-        branching=args.branching,
-        num_draft_tokens=args.num_draft_tokens,
         stop_token_ids=args.stop_token_ids,
+        stage_timing=args.stage_timing,
         baseline=not args.no_baseline,
     )
     result = worker.run_trial(spec)
     if args.json:
-        print(json.dumps(_json_payload(result)))
+        print(json.dumps(result.to_json()))
     else:
         _print_table(result)
-    if result.status != "ok":
-        print(f"workers.bench: trial {result.status}: {result.error}", file=sys.stderr)
+    if result.status is not TrialStatus.OK:
+        print(f"workers.bench: trial {result.status.value}: {result.error}", file=sys.stderr)
         return 1
     return 0
 
@@ -177,28 +183,11 @@ def _random_prompts(count: int, length: int, vocab: int, seed: int) -> list:
             for _ in range(count)]
 
 
-def _json_payload(result) -> dict:
-    trace = result.memory_trace
-    return {
-        "method": result.method,
-        "params": result.params,
-        "status": result.status,
-        "error": result.error,
-        "metrics": result.metrics,
-        "acceptance_histogram": {str(k): v for k, v in result.acceptance_histogram.items()},
-        "memory": {
-            "peak_reserved_bytes": {str(k): v for k, v in trace.peak_reserved_bytes.items()},
-            "note": trace.note,
-        },
-        "outputs": [{"token_ids": o.token_ids, "acceptance_lengths": o.acceptance_lengths} for o in result.outputs],
-    }
-
-
 def _print_table(result) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{result.method} {result.params}  status={result.status}")
+    table = Table(title=f"{result.method.value} {result.params}  status={result.status.value}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for name, value in result.metrics.items():

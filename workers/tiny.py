@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from workers.models.drafter import DFlashDrafter, DrafterSpec, save_drafter
+from workers.models.drafter import DFlashDrafter, DrafterSpec
+from workers.models.loading import save_drafter
 
 
 @dataclass(frozen=True)
@@ -120,8 +121,7 @@ def distill_drafter(
 
     from workers.decoding import ar
     from workers.decoding.generation import GenerationConfig
-    from workers.models.drafter import load_drafter
-    from workers.models.loading import Placement, load_target
+    from workers.models.loading import Placement, load_drafter, load_target
     from workers.models.static_target import make_target
 
     torch.manual_seed(seed)

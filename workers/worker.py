@@ -21,14 +21,29 @@ from typing import Any
 
 import torch
 
-from workers.decoding import ar, ddtree, dflash
-from workers.decoding.generation import GenerationConfig, GenerationOutput, StageTimer, device_sync
-from workers.decoding.tree import TreeParams
+from workers.decoding.drafting import DraftGraphStore
+from workers.decoding.generation import (
+    NULL_TIMER,
+    GenerationConfig,
+    GenerationOutput,
+    StageTimer,
+    device_sync,
+)
+from workers.decoding.knobs import ARParams, MethodParams
+from workers.decoding.methods import METHODS, Method, method_of
 from workers.errors import BadInputError
 from workers.memory import MemoryTrace, MemoryTracer, reset_and_empty_cache
 from workers.metrics import acceptance_histogram, per_category, summarize
-from workers.models.drafter import DFlashDrafter, DrafterSpec, load_drafter, resolve_checkpoint_dir
-from workers.models.loading import Placement, load_target, load_tokenizer, parse_dtype
+from workers.models.drafter import DFlashDrafter, DrafterSpec
+from workers.models.loading import (
+    ModelSource,
+    Placement,
+    load_drafter,
+    load_target,
+    load_tokenizer,
+    parse_dtype,
+    resolve_checkpoint_dir,
+)
 from workers.models.placement import drafter_bytes_for
 from workers.models.static_target import make_target
 from workers.prompts import ChatFormat, Prompt, encode, stop_token_ids
@@ -36,10 +51,10 @@ from workers.prompts import ChatFormat, Prompt, encode, stop_token_ids
 WARMUP_TOKENS = 16
 
 
-class Method(str, Enum):
-    AR = "ar"
-    DFLASH = "dflash"
-    DDTREE = "ddtree"
+class TrialStatus(str, Enum):
+    OK = "ok"
+    OOM = "oom"  # out of memory: a result (infeasible), not a failure
+    ERROR = "error"
 
 
 @dataclass(frozen=True)
@@ -61,27 +76,22 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class TrialSpec:
-    method: Method
+    params: MethodParams  # the method's parameter object (TreeParams, DFlashParams, ARParams)
     prompts: tuple[Prompt, ...]
     max_new_tokens: int = 256
     temperature: float = 0.0
     seed: int = 0
     stop_token_ids: tuple[int, ...] | None = None  # None: the target's eos tokens
-    tree_budget: int | None = None
-    max_depth: int | None = None
-    branching: int | None = None
-    num_draft_tokens: int | None = None
-    stage_timing: bool = True  # per-stage shares; synchronises the GPU around stages
+    # per-stage shares: synchronises the device around every stage, so it slows what it measures;
+    # the AR baseline is then timed the same way
+    stage_timing: bool = False
     warmup: bool = True
     baseline: bool = True  # also measure (once, cached) AR on the same prompts: speedup, lossless_match
     fault: str | None = None  # "oom" | "error" | "crash": fault injection for tests (crash kills the process)
 
-    def params(self) -> dict[str, Any]:
-        if self.method is Method.DDTREE:
-            return {"tree_budget": self.tree_budget, "max_depth": self.max_depth, "branching": self.branching}
-        if self.method is Method.DFLASH:
-            return {"num_draft_tokens": self.num_draft_tokens}
-        return {}
+    @property
+    def method(self) -> Method:
+        return method_of(self.params)
 
 
 @dataclass(frozen=True)
@@ -92,9 +102,9 @@ class PromptResult:
 
 @dataclass(frozen=True)
 class TrialResult:
-    status: str  # "ok" | "oom" | "error"
-    method: str
-    params: dict[str, Any]
+    status: TrialStatus
+    method: Method
+    params: dict[str, int | None]  # knob name -> value
     metrics: dict[str, float | None] = field(default_factory=dict)
     acceptance_histogram: dict[int, int] = field(default_factory=dict)
     outputs: list[PromptResult] = field(default_factory=list)
@@ -102,11 +112,23 @@ class TrialResult:
     error: str | None = None
     wall_s: float = 0.0
 
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["memory_trace"] = self.memory_trace.to_dict()
-        data["acceptance_histogram"] = {str(k): v for k, v in self.acceptance_histogram.items()}
-        return data
+    def to_json(self) -> dict[str, Any]:
+        """The one JSON shape of a result: the bench's ``--json`` output and MLflow's result.json."""
+        trace = self.memory_trace
+        return {
+            "method": self.method.value,
+            "params": self.params,
+            "status": self.status.value,
+            "error": self.error,
+            "wall_s": self.wall_s,
+            "metrics": self.metrics,
+            "acceptance_histogram": {str(k): v for k, v in self.acceptance_histogram.items()},
+            "memory": {
+                "peak_reserved_bytes": {str(k): v for k, v in trace.peak_reserved_bytes.items()},
+                "note": trace.note,
+            },
+            "outputs": [asdict(o) for o in self.outputs],
+        }
 
 
 class Worker:
@@ -117,6 +139,7 @@ class Worker:
         self.model = None
         self.drafter: DFlashDrafter | None = None
         self.target = None  # a StaticTarget (workers.models.static_target.make_target)
+        self.draft_graphs: DraftGraphStore | None = None  # the drafter's CUDA graphs, kept across trials
         self.tokenizer = None
         self._baselines: dict[str, list[GenerationOutput]] = {}
         self._state_bytes: int | None = None  # peak tree_state_bytes of the last _generate_all (hybrids)
@@ -134,12 +157,13 @@ class Worker:
         tap_device = self.drafter.fc.weight.device if self.drafter else None
         self.target = make_target(self.model, taps, tap_device, graphs=None if cfg.cuda_graphs else False,
                                   compile_layers=cfg.compile_layers)
+        self.draft_graphs = DraftGraphStore() if self.drafter is not None and self.target.graphs else None
         return self
 
     def _drafter_bytes(self) -> int:
         """The drafter's weight bytes, reserved beside lm_head when the target is split (else 0)."""
         cfg = self.config
-        if cfg.gpus <= 1 or cfg.drafter is None or cfg.drafter.startswith("random:"):
+        if cfg.gpus <= 1 or cfg.drafter is None or ModelSource.parse(cfg.drafter).is_random:
             return 0
         spec = DrafterSpec.from_config_file(resolve_checkpoint_dir(cfg.drafter, cfg.local_files_only) / "config.json")
         return drafter_bytes_for(spec, parse_dtype(cfg.dtype))
@@ -151,7 +175,7 @@ class Worker:
     def run_trial(self, spec: TrialSpec) -> TrialResult:
         started = time.perf_counter()
         tracer = MemoryTracer(interval_ms=self.config.memory_interval_ms)
-        status, error, outputs, metrics, baseline = "ok", None, [], {}, None
+        status, error, outputs, metrics, baseline = TrialStatus.OK, None, [], {}, None
         try:
             with tracer:
                 if spec.fault == "oom":
@@ -169,12 +193,12 @@ class Worker:
             if state_bytes is not None:  # hybrid targets: per-node linear-attention data held per round
                 metrics["tree_state_bytes"] = float(state_bytes)
         except torch.cuda.OutOfMemoryError as exc:
-            status, error = "oom", f"{type(exc).__name__}: {exc}"
+            status, error = TrialStatus.OOM, f"{type(exc).__name__}: {exc}"
         except (BadInputError, ValueError) as exc:
-            status, error = "error", str(exc)
+            status, error = TrialStatus.ERROR, str(exc)
         except Exception as exc:  # a trial must end in a result, never take the worker down
-            status, error = "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"
-        if status == "oom":
+            status, error = TrialStatus.ERROR, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"
+        if status is TrialStatus.OOM:
             reset_and_empty_cache()  # outside the except block: the traceback no longer pins tensors
         trace = tracer.trace
         metrics["peak_memory_gib"] = trace.peak_gib
@@ -182,8 +206,8 @@ class Worker:
             metrics[f"peak_memory_gib_dev{device}"] = gib
         return TrialResult(
             status=status,
-            method=spec.method.value,
-            params=spec.params(),
+            method=spec.method,
+            params=spec.params.as_dict(),
             metrics=metrics,
             acceptance_histogram=acceptance_histogram(outputs),
             outputs=[PromptResult(o.token_ids, o.acceptance_lengths) for o in outputs],
@@ -196,7 +220,7 @@ class Worker:
     def _prepare(self, spec: TrialSpec) -> tuple[list[torch.Tensor], GenerationConfig]:
         if self.target is None:
             raise RuntimeError("Worker.load() must run before run_trial()")
-        if spec.method is not Method.AR and self.drafter is None:
+        if METHODS[spec.method].needs_drafter and self.drafter is None:
             raise BadInputError(f"method '{spec.method.value}' needs a drafter, and this worker has none")
         rows = self.model.get_input_embeddings().weight.shape[0]
         chat = ChatFormat(self.config.chat_template, self.config.enable_thinking)
@@ -207,32 +231,19 @@ class Worker:
         gen = GenerationConfig(spec.max_new_tokens, spec.temperature, tuple(stops), spec.seed)
         return prompts, gen
 
-    def _engine(self, spec: TrialSpec):
-        if spec.method is Method.DDTREE:
-            if spec.tree_budget is None:
-                raise BadInputError("method 'ddtree' needs a tree budget")
-            params = ddtree.resolve_tree_params(
-                TreeParams(spec.tree_budget, spec.max_depth, spec.branching), self.drafter.block_size
-            )
-            return ddtree.generate, params
-        if spec.method is Method.DFLASH:
-            params = dflash.DFlashParams(spec.num_draft_tokens)
-            params.resolve(self.drafter.block_size)
-            return dflash.generate, params
-        return ar.generate, None
-
     def _generate_all(self, spec: TrialSpec, prompts: list[torch.Tensor], gen: GenerationConfig) -> list[GenerationOutput]:
-        generate, params = self._engine(spec)
-        drafter = None if spec.method is Method.AR else self.drafter
+        entry = METHODS[spec.method]
+        drafter = self.drafter if entry.needs_drafter else None
+        graphs = self.draft_graphs if entry.needs_drafter else None
         if spec.warmup:  # one short untimed run so lazy init and allocator growth stay out of the numbers
             warm = GenerationConfig(min(WARMUP_TOKENS, gen.max_new_tokens), gen.temperature, (), gen.seed)
-            generate(self.target, drafter, prompts[0], warm, params)
+            entry.generate(self.target, drafter, prompts[0], warm, spec.params, draft_graphs=graphs)
         outputs, state_bytes = [], 0
         for index, prompt_ids in enumerate(prompts):
-            timer = StageTimer(device_sync(self.target.device)) if spec.stage_timing else None
+            timer = StageTimer(device_sync(self.target.device)) if spec.stage_timing else NULL_TIMER
             prompt_gen = GenerationConfig(gen.max_new_tokens, gen.temperature, gen.stop_token_ids, gen.seed + index)
-            kwargs = {"timer": timer} if timer else {}
-            outputs.append(generate(self.target, drafter, prompt_ids, prompt_gen, params, **kwargs))
+            outputs.append(entry.generate(self.target, drafter, prompt_ids, prompt_gen, spec.params, timer=timer,
+                                          draft_graphs=graphs))
             state_bytes = max(state_bytes, getattr(self.target, "peak_state_bytes", 0))
         self._state_bytes = state_bytes if getattr(self.target, "linear_ids", ()) else None
         return outputs
@@ -240,10 +251,10 @@ class Worker:
     def _baseline(self, spec: TrialSpec, prompts: list[torch.Tensor], gen: GenerationConfig) -> list[GenerationOutput]:
         """AR on the same prompts and settings, measured once per worker and reused."""
         key = hashlib.sha256(
-            json.dumps([[p.tolist() for p in prompts], gen.max_new_tokens, gen.temperature, gen.stop_token_ids, gen.seed])
-            .encode()
+            json.dumps([[p.tolist() for p in prompts], gen.max_new_tokens, gen.temperature, gen.stop_token_ids, gen.seed,
+                        spec.stage_timing]).encode()
         ).hexdigest()
-        if key not in self._baselines:
-            ar_spec = TrialSpec(Method.AR, spec.prompts, stage_timing=False, warmup=spec.warmup)
+        if key not in self._baselines:  # timed as the method is: with stage timing only if it has it
+            ar_spec = TrialSpec(ARParams(), spec.prompts, stage_timing=spec.stage_timing, warmup=spec.warmup)
             self._baselines[key] = self._generate_all(ar_spec, prompts, gen)
         return self._baselines[key]

@@ -16,6 +16,8 @@ import pytest
 
 from tests.orchestrator.conftest import run_sweep, sweep_dict, write_sweep
 
+pytestmark = pytest.mark.sweep
+
 
 def _free_port() -> int:
     with socket.socket() as sock:

@@ -36,9 +36,11 @@ from orchestrator.pool import (
     worker_config,
 )
 from tests.orchestrator.conftest import sweep_dict
+from workers.decoding.methods import Method
+from workers.decoding.tree import TreeParams
 from workers.errors import BadInputError
 from workers.prompts import load_prompts
-from workers.worker import Method, TrialSpec
+from workers.worker import TrialResult, TrialSpec, TrialStatus
 
 BLOCK_SIZE = 8  # the tiny drafter's block (TinyShape.block_size)
 GET_TIMEOUT = 180.0  # seconds for any single ray.get: actors load models on 2 shared cores
@@ -55,27 +57,25 @@ def make_config(tiny_dir: Path, runs: Path, **workers) -> SweepConfig:
 def ddtree_spec(tiny_dir: Path) -> TrialSpec:
     prompts = load_prompts(tiny_dir / "prompts.jsonl", limit=2)
     assert all(p.input_ids for p in prompts)
-    return TrialSpec(
-        Method.DDTREE, prompts=tuple(prompts), max_new_tokens=8, tree_budget=8, max_depth=4, branching=2
-    )
+    return TrialSpec(TreeParams(8, max_depth=4, branching=2), prompts=tuple(prompts), max_new_tokens=8)
 
 
-def assert_ok_result(result: dict, spec: TrialSpec) -> None:
-    assert isinstance(result, dict)
-    assert result["status"] == "ok", result.get("error")
-    assert result["error"] is None
-    assert result["method"] == "ddtree"
-    assert result["params"] == {"tree_budget": 8, "max_depth": 4, "branching": 2}
-    metrics = result["metrics"]
+def assert_ok_result(result: TrialResult, spec: TrialSpec) -> None:
+    assert isinstance(result, TrialResult)  # typed across the actor boundary
+    assert result.status is TrialStatus.OK, result.error
+    assert result.error is None
+    assert result.method is Method.DDTREE
+    assert result.params == {"tree_budget": 8, "max_depth": 4, "branching": 2}
+    metrics = result.metrics
     for name in ("tokens_per_s", "tau", "tpot_s", "ttft_s", "speedup", "lossless_match", "peak_memory_gib"):
         assert name in metrics, name
     assert metrics["tokens_per_s"] > 0
     assert metrics["tau"] >= 1.0  # the bonus token counts, so every round commits at least one
     assert metrics["lossless_match"] == 1.0  # greedy DDTree equals the AR baseline
     assert 0 < metrics["generated_tokens"] <= spec.max_new_tokens * len(spec.prompts)
-    assert len(result["outputs"]) == len(spec.prompts)
-    assert all(len(o["token_ids"]) <= spec.max_new_tokens for o in result["outputs"])
-    assert result["wall_s"] > 0
+    assert len(result.outputs) == len(spec.prompts)
+    assert all(len(o.token_ids) <= spec.max_new_tokens for o in result.outputs)
+    assert result.wall_s > 0
 
 
 def get(ref, timeout: float = GET_TIMEOUT):
@@ -243,10 +243,10 @@ def test_trial_runs_on_an_actor(tiny_dir, runs_dir, slots):
     assert local.info()["pid"] == os.getpid() and local.info()["block_size"] == BLOCK_SIZE
     here = local.run_trial(spec)
     assert_ok_result(here, spec)
-    assert [o["token_ids"] for o in remote["outputs"]] == [o["token_ids"] for o in here["outputs"]]
+    assert [o.token_ids for o in remote.outputs] == [o.token_ids for o in here.outputs]
     # a second trial on the same actor reuses the loaded models (same process)
     again = get(slots[0].handle.run_trial.remote(spec))
-    assert again["status"] == "ok"
+    assert again.status is TrialStatus.OK
     assert get(slots[0].handle.info.remote())["pid"] == slots[0].info["pid"]
 
 

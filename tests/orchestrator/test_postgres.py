@@ -15,6 +15,8 @@ from optuna.trial import TrialState
 
 from tests.orchestrator.conftest import run_sweep, sweep_dict, write_sweep
 
+pytestmark = pytest.mark.sweep
+
 INITDB = shutil.which("initdb") or "/usr/lib/postgresql/15/bin/initdb"
 PG_CTL = shutil.which("pg_ctl") or "/usr/lib/postgresql/15/bin/pg_ctl"
 

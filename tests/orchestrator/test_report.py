@@ -14,6 +14,8 @@ from nbclient import NotebookClient
 
 from tests.orchestrator.conftest import ROOT, run_sweep, sweep_dict, sweep_env, write_sweep
 
+pytestmark = pytest.mark.sweep
+
 
 @pytest.fixture(scope="module")
 def finished_sweep(tiny_dir, tmp_path_factory) -> tuple[Path, Path]:

@@ -17,6 +17,8 @@ from optuna.trial import TrialState
 
 from tests.orchestrator.conftest import run_sweep, start_sweep, sweep_dict, write_sweep
 
+pytestmark = pytest.mark.sweep
+
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 

@@ -12,6 +12,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from workers.decoding.tree import TreeParams
 from workers.errors import BadInputError
 from workers.prompts import (
     BENCHMARKS,
@@ -23,7 +24,7 @@ from workers.prompts import (
     stop_token_ids,
 )
 from workers.tiny import TinyShape, write_tiny_pair
-from workers.worker import Method, TrialSpec, Worker, WorkerConfig
+from workers.worker import TrialSpec, Worker, WorkerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<unk>"]
@@ -175,7 +176,7 @@ def test_worker_reports_metrics_per_category(chat_target):
     worker = Worker(WorkerConfig(str(chat_target), str(drafter), dtype="float32", device="cpu")).load()
     prompts = (Prompt(text="what is two plus three", category="math"), Prompt(text="write a poem", category="chat"),
                Prompt(text="write code", category="code"), Prompt(text="hello", category="chat"))
-    result = worker.run_trial(TrialSpec(Method.DDTREE, prompts, max_new_tokens=6, tree_budget=8))
+    result = worker.run_trial(TrialSpec(TreeParams(8), prompts, max_new_tokens=6))
     assert result.status == "ok", result.error
     for category in ("math", "chat", "code"):
         for metric in ("tau", "tokens_per_s", "speedup"):

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from workers.decoding.methods import METHODS, Method
+from workers.decoding.tree import TreeParams
 from workers.prompts import Prompt
-from workers.worker import Method, TrialSpec, Worker, WorkerConfig
+from workers.worker import TrialSpec, Worker, WorkerConfig
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +22,10 @@ def _prompts(count: int = 3, seed: int = 0) -> tuple[Prompt, ...]:
     return tuple(Prompt(input_ids=tuple(torch.randint(1, 32, (9,), generator=generator).tolist())) for _ in range(count))
 
 
-def _spec(method: Method, **kwargs) -> TrialSpec:
-    return TrialSpec(method=method, prompts=_prompts(), max_new_tokens=24, stop_token_ids=(), **kwargs)
+def _spec(method: Method, fault: str | None = None, stage_timing: bool = False, **knobs) -> TrialSpec:
+    params = METHODS[method].params.from_mapping(knobs)
+    return TrialSpec(params=params, prompts=_prompts(), max_new_tokens=24, stop_token_ids=(), fault=fault,
+                     stage_timing=stage_timing)
 
 
 @pytest.mark.parametrize(
@@ -29,7 +33,7 @@ def _spec(method: Method, **kwargs) -> TrialSpec:
     [(Method.AR, {}), (Method.DFLASH, {"num_draft_tokens": 4}), (Method.DDTREE, {"tree_budget": 16, "branching": 4})],
 )
 def test_trial_reports_the_design_metrics(worker, method, params):
-    result = worker.run_trial(_spec(method, **params))
+    result = worker.run_trial(_spec(method, stage_timing=True, **params))
     assert result.status == "ok", result.error
     m = result.metrics
     for name in ("tokens_per_s", "tau", "speedup", "ttft_s", "tpot_s", "lossless_match", "peak_memory_gib"):
@@ -45,7 +49,14 @@ def test_trial_reports_the_design_metrics(worker, method, params):
         assert m["tau"] == 1.0 and set(result.acceptance_histogram) == {1}
     else:
         assert m["share_draft"] > 0 and m["share_verify"] > 0
-    assert result.to_dict()["method"] == method.value
+    payload = result.to_json()
+    assert payload["method"] == method.value
+    assert {k: v for k, v in payload["params"].items() if v is not None} == params
+
+
+def test_stage_timing_is_off_unless_asked(worker):
+    result = worker.run_trial(_spec(Method.DDTREE, tree_budget=8))
+    assert result.status == "ok" and not any(name.startswith("share_") for name in result.metrics)
 
 
 def test_baseline_is_measured_once_per_prompt_set(worker):
@@ -53,7 +64,8 @@ def test_baseline_is_measured_once_per_prompt_set(worker):
     worker.run_trial(_spec(Method.DDTREE, tree_budget=8))
     worker.run_trial(_spec(Method.DDTREE, tree_budget=32))
     assert len(worker._baselines) == 1
-    worker.run_trial(TrialSpec(Method.DFLASH, prompts=_prompts(seed=1), max_new_tokens=24, stop_token_ids=()))
+    worker.run_trial(TrialSpec(METHODS[Method.DFLASH].params(), prompts=_prompts(seed=1), max_new_tokens=24,
+                               stop_token_ids=()))
     assert len(worker._baselines) == 2
 
 
@@ -70,8 +82,11 @@ def test_errors_are_results_with_the_message(worker):
     assert crashed.status == "error" and "injected failure" in crashed.error
     too_deep = worker.run_trial(_spec(Method.DDTREE, tree_budget=8, max_depth=99))
     assert too_deep.status == "error" and "max_depth" in too_deep.error
-    no_budget = worker.run_trial(_spec(Method.DDTREE))
-    assert no_budget.status == "error" and "tree budget" in no_budget.error
+    with pytest.raises(ValueError, match="tree_budget is required"):  # a DDTree trial cannot exist without one
+        _spec(Method.DDTREE)
+    with pytest.raises(ValueError, match="not a parameter of this method: num_draft_tokens"):
+        _spec(Method.DDTREE, tree_budget=8, num_draft_tokens=3)
+    assert TreeParams(8).resolved(8).max_depth == 7  # the default depth: block_size-1
     assert worker.run_trial(_spec(Method.AR)).status == "ok"
 
 
@@ -83,6 +98,6 @@ def test_method_needing_a_drafter_without_one(tiny):
 
 
 def test_stop_tokens_default_to_the_target_eos(worker):
-    spec = TrialSpec(Method.AR, prompts=_prompts(), max_new_tokens=8)
+    spec = TrialSpec(METHODS[Method.AR].params(), prompts=_prompts(), max_new_tokens=8)
     prompts, gen = worker._prepare(spec)
     assert gen.stop_token_ids == (0,)  # tiny models declare eos_token_id 0

@@ -8,17 +8,20 @@ from __future__ import annotations
 import torch
 
 from workers.decoding.generation import NULL_TIMER, GenerationConfig, GenerationOutput, open_generation
+from workers.decoding.knobs import ARParams
 from workers.decoding.sampling import sample_tokens
+from workers.seam import Target, Timer
 
 
 @torch.inference_mode()
 def generate(
-    target,
+    target: Target,
     drafter: None,
     prompt_ids: torch.Tensor,  # [1, T]
     config: GenerationConfig,
-    params: None = None,
-    timer=NULL_TIMER,
+    params: ARParams | None = None,
+    timer: Timer = NULL_TIMER,
+    draft_graphs: None = None,
 ) -> GenerationOutput:
     start = open_generation(target, prompt_ids, config, max_verify=1)
     out, generator, bonus = start.out, start.generator, start.bonus

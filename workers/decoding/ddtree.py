@@ -10,45 +10,36 @@ from __future__ import annotations
 
 import torch
 
-from workers.decoding.dflash import draft_block, new_draft_cache
+from workers.decoding.drafting import DraftGraphStore, open_drafting
 from workers.decoding.generation import NULL_TIMER, GenerationConfig, GenerationOutput, open_generation
 from workers.decoding.sampling import sample_tokens
-from workers.decoding.tree import TreeParams, accepted_nodes, build_tree
+from workers.decoding.tree import TreeParams, accepted_nodes
 from workers.models.drafter import DFlashDrafter
-
-
-def resolve_tree_params(params: TreeParams, block_size: int) -> TreeParams:
-    """Fill the default depth (block_size-1) and check it fits the drafter's block."""
-    depth = block_size - 1 if params.max_depth is None else params.max_depth
-    if not 1 <= depth <= block_size - 1:
-        raise ValueError(f"max_depth must be in 1..{block_size - 1} (block_size-1), got {depth}")
-    return TreeParams(budget=params.budget, max_depth=depth, branching=params.branching)
+from workers.seam import Target, Timer
 
 
 @torch.inference_mode()
 def generate(
-    target,
+    target: Target,
     drafter: DFlashDrafter,
     prompt_ids: torch.Tensor,  # [1, T]
     config: GenerationConfig,
     params: TreeParams,
-    timer=NULL_TIMER,
+    timer: Timer = NULL_TIMER,
+    draft_graphs: DraftGraphStore | None = None,
 ) -> GenerationOutput:
-    params = resolve_tree_params(params, drafter.block_size)
+    params = params.resolved(drafter.block_size)  # the default depth is block_size-1
     start = open_generation(target, prompt_ids, config, max_verify=params.budget + 1)
     out, generator, bonus = start.out, start.generator, start.bonus
     new_context = start.context  # [1, T, k*H]: features of committed tokens the drafter has not seen
-    draft_cache = new_draft_cache(drafter, target, start.capacity)
+    drafting = open_drafting(drafter, target, start.capacity, draft_graphs)
 
     rounds: list[int] = []
     while not out.done:
         with timer.stage("draft"):
-            draft_logits = draft_block(drafter, target, draft_cache, bonus, new_context, params.max_depth)
+            draft_logits = drafting.draft(bonus, new_context, params.max_depth)  # [max_depth, V]
         with timer.stage("tree"):
-            if hasattr(draft_cache, "build_tree"):  # DraftGraphs: replayed from a CUDA graph
-                tree = draft_cache.build_tree(draft_logits, params)
-            else:  # on the drafter's device
-                tree = build_tree(torch.log_softmax(draft_logits.float(), dim=-1), params)
+            tree = drafting.build_tree(draft_logits, params)  # on the drafter's device
         with timer.stage("verify"):
             verified = target.verify_tree(bonus[0], tree)
         with timer.stage("commit"):

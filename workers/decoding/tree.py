@@ -18,20 +18,28 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from workers.decoding.knobs import Knob, MethodParams
 from workers.seam import DraftTree
 
 
 @dataclass(frozen=True)
-class TreeParams:
-    """The tree knobs a sweep tunes.
+class TreeParams(MethodParams):
+    """DDTree's parameters: the tree knobs a sweep tunes.
 
     budget:    drafted nodes besides the root (>= 1).
     max_depth: deepest level drafted (1..block_size-1); None = every drafter position.
     branching: most children per node, i.e. top-K per depth; None = unlimited (K = min(budget, V)).
     """
+
+    KNOBS: ClassVar[tuple[Knob, ...]] = (
+        Knob("tree_budget", "DDTree nodes besides the root", field="budget", required=True),
+        Knob("max_depth", "DDTree depth cap (default block_size-1)", below_block=True),
+        Knob("branching", "DDTree children per node, i.e. top-K per depth (default unlimited)"),
+    )
 
     budget: int
     max_depth: int | None = None

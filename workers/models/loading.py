@@ -1,17 +1,45 @@
-"""Loading the target model (and its tokenizer) onto one device or split over several GPUs."""
+"""Where models come from: the target (and its tokenizer) onto one device or split over several
+GPUs, DFlash drafter checkpoints (z-lab layout) into the project's own module, and random-weight
+models of a named shape. A model name is decided once by ``ModelSource.parse``."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
-from workers.errors import BadInputError, UnsupportedModelError
+from workers.errors import BadInputError, CheckpointMismatchError, UnsupportedModelError
+from workers.models.drafter import DFlashDrafter, DrafterSpec
 from workers.seam import check_supported
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+RANDOM_PREFIX = "random:"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model name as the user gave it: ``random:<shape>`` (random weights of a named shape,
+    ``workers.models.shapes``), a local folder, or a hub id."""
+
+    name: str
+    shape: str | None = None  # set for random:<shape>
+
+    @classmethod
+    def parse(cls, name: str) -> ModelSource:
+        if name.startswith(RANDOM_PREFIX):
+            return cls(name, name.removeprefix(RANDOM_PREFIX))
+        return cls(name)
+
+    @property
+    def is_random(self) -> bool:
+        return self.shape is not None
 
 
 @dataclass(frozen=True)
@@ -76,16 +104,16 @@ def load_target(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from workers.models.shapes import build_random_target, random_shape_name
+    from workers.models.shapes import build_random_target
 
-    try:
-        shape = random_shape_name(name_or_path)
-    except KeyError as exc:
-        raise BadInputError(f"target {name_or_path}: {exc.args[0]}") from None
-    if shape is not None:
+    source = ModelSource.parse(name_or_path)
+    if source.is_random:
         if placement.gpus > 1:
             raise BadInputError(f"target {name_or_path}: random-weight shapes are built on one device")
-        return build_random_target(shape, parse_dtype(dtype), placement.resolve_device())
+        try:
+            return build_random_target(source.shape, parse_dtype(dtype), placement.resolve_device())
+        except KeyError as exc:
+            raise BadInputError(f"target {name_or_path}: {exc.args[0]}") from None
 
     try:
         config = AutoConfig.from_pretrained(name_or_path, local_files_only=local_files_only)
@@ -113,10 +141,133 @@ def load_tokenizer(name_or_path: str, local_files_only: bool = False):
     """The target's tokenizer, or None for a model folder that ships none (prompts then give ids)."""
     from transformers import AutoTokenizer
 
-    if name_or_path.startswith("random:"):
+    if ModelSource.parse(name_or_path).is_random:
         return None
 
     try:
         return AutoTokenizer.from_pretrained(name_or_path, local_files_only=local_files_only)
     except Exception:  # no tokenizer files: callers fall back to {"input_ids": [...]} prompts
         return None
+
+
+# -- DFlash drafter checkpoints ------------------------------------------------------------------
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a single-file or sharded safetensors checkpoint; any damage names the file."""
+    single, index = path / WEIGHTS_FILE, path / WEIGHTS_INDEX_FILE
+    if single.exists():
+        files = [single]
+    elif index.exists():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointMismatchError(f"{index}: not a valid safetensors index ({exc!r})") from exc
+        files = [path / shard for shard in shards]
+    else:
+        raise CheckpointMismatchError(f"{path}: no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} in the drafter folder")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            weights.update(load_file(file))
+        except Exception as exc:  # missing shard, truncated or corrupt file: safetensors raises several types
+            raise CheckpointMismatchError(f"{file}: cannot read drafter weights ({exc})") from exc
+    return weights
+
+
+def resolve_checkpoint_dir(name_or_path: str, local_files_only: bool = False) -> Path:
+    """A local folder as it is, otherwise a hub repo id fetched (config + safetensors only)."""
+    local = Path(name_or_path).expanduser()
+    if local.is_dir():
+        return local.resolve()
+    if local.exists() or name_or_path.startswith((".", "/", "~")):
+        raise CheckpointMismatchError(f"{name_or_path}: drafter path is not a folder")
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(
+            name_or_path, allow_patterns=["config.json", "*.safetensors", "*.json"], local_files_only=local_files_only
+        )
+    except Exception as exc:  # hub errors come in many types; one message is what the user needs
+        raise CheckpointMismatchError(f"{name_or_path}: cannot find the drafter locally or on the hub ({exc})") from exc
+    return Path(folder)
+
+
+def declares_thinking(folder: str | Path) -> bool:
+    """Whether a local drafter's config.json says it was trained on thinking-mode output."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return False
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    flags = (raw.get("thinking"), raw.get("supports_thinking"), (raw.get("dflash_config") or {}).get("thinking"))
+    return any(bool(flag) for flag in flags)
+
+
+def thinking_warning(drafter: str | None, enable_thinking: bool) -> str | None:
+    """The warning to print when thinking is on and the drafter does not declare thinking support."""
+    if not enable_thinking or drafter is None or declares_thinking(drafter):
+        return None
+    return (
+        f"warning: thinking mode is on, but drafter {drafter} does not declare thinking support; published "
+        "DFlash drafters were trained without thinking traces and their acceptance collapses (tau near 2)"
+    )
+
+
+def load_drafter(
+    name_or_path: str,
+    target: nn.Module,
+    device: torch.device | str | None = None,
+    local_files_only: bool = False,
+) -> DFlashDrafter:
+    """Load a z-lab drafter checkpoint into DFlashDrafter, checked against the target.
+
+    The drafter takes the target's dtype and, unless told otherwise, the device of the target's
+    lm_head (it feeds that lm_head every round). ``random:<shape>`` builds a random-weight drafter
+    of that target shape (``workers.models.shapes``).
+    """
+    source = ModelSource.parse(name_or_path)
+    if source.is_random:
+        from workers.models.shapes import build_random_drafter
+
+        try:
+            return build_random_drafter(source.shape, target)
+        except KeyError as exc:
+            raise CheckpointMismatchError(f"drafter {name_or_path}: {exc.args[0]}") from None
+    folder = resolve_checkpoint_dir(name_or_path, local_files_only)
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        raise CheckpointMismatchError(f"{folder}: no config.json in the drafter folder")
+    spec = DrafterSpec.from_config_file(config_path)
+    embeddings = target.get_input_embeddings().weight
+    spec.check_fits(target.config, embedding_rows=embeddings.shape[0], source=str(config_path))
+
+    drafter = DFlashDrafter(spec)
+    weights = _read_weights(folder)
+    if weights and all(key.startswith("model.") for key in weights):
+        weights = {key.removeprefix("model."): value for key, value in weights.items()}
+    expected = {k for k in drafter.state_dict() if not k.startswith("rotary_emb.")}
+    missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
+    if missing or unexpected:
+        raise CheckpointMismatchError(
+            f"{folder}: drafter weights in {WEIGHTS_FILE} do not match config.json "
+            f"(missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''})"
+        )
+    own = drafter.state_dict()
+    for key, value in weights.items():
+        if tuple(value.shape) != tuple(own[key].shape):
+            raise CheckpointMismatchError(
+                f"{folder}/{WEIGHTS_FILE}: weight '{key}' has shape {tuple(value.shape)}, config.json implies {tuple(own[key].shape)}"
+            )
+    drafter.load_state_dict(weights, strict=False)  # rotary buffers are computed, not stored
+    lm_head = target.get_output_embeddings().weight
+    return drafter.to(device=device or lm_head.device, dtype=lm_head.dtype).eval()
+
+
+def save_drafter(drafter: DFlashDrafter, folder: Path, raw_config: dict[str, Any]) -> None:
+    """Write a drafter in the z-lab layout (used to make tiny offline checkpoints)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(raw_config, indent=2))
+    state = {k: v.contiguous() for k, v in drafter.state_dict().items() if not k.startswith("rotary_emb.")}
+    save_file(state, folder / WEIGHTS_FILE)

@@ -97,18 +97,6 @@ def _known(table: dict[str, dict], name: str) -> dict:
 
 
 # -- random-weight models of a named shape ("random:qwen3-8b" wherever a model path is accepted) -----
-RANDOM_PREFIX = "random:"
-
-
-def random_shape_name(name_or_path: str) -> str | None:
-    """The shape in "random:<shape>", else None (a real checkpoint)."""
-    if not name_or_path.startswith(RANDOM_PREFIX):
-        return None
-    name = name_or_path.removeprefix(RANDOM_PREFIX)
-    _known(TARGETS, name)
-    return name
-
-
 def build_random_target(name: str, dtype: torch.dtype, device: torch.device):
     """A target of the named shape with random weights, initialised directly on ``device``."""
     from transformers import AutoModelForCausalLM
@@ -123,8 +111,8 @@ def build_random_drafter(name: str, target):
     """A DFlash drafter of the named target shape with random weights, beside the target's lm_head."""
     from workers.models.drafter import DFlashDrafter, DrafterSpec
 
-    spec = DrafterSpec.from_dict(drafter_config(name), source=f"{RANDOM_PREFIX}{name}")
-    spec.check_fits(target.config, embedding_rows=target.get_input_embeddings().weight.shape[0], source=f"{RANDOM_PREFIX}{name}")
+    spec = DrafterSpec.from_dict(drafter_config(name), source=f"random:{name}")
+    spec.check_fits(target.config, embedding_rows=target.get_input_embeddings().weight.shape[0], source=f"random:{name}")
     lm_head = target.get_output_embeddings().weight
     with torch.device(lm_head.device):
         drafter = DFlashDrafter(spec)

@@ -87,7 +87,7 @@ def round_bound(engine: str, params, block_size: int) -> int:
     if engine == "ar":
         return 1
     if engine == "dflash":
-        return params.resolve(block_size) + 1
+        return params.resolved(block_size).num_draft_tokens + 1
     depth = block_size - 1 if params.max_depth is None else params.max_depth
     return min(depth, params.budget) + 1
 

@@ -18,15 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from workers.errors import BadInputError, CheckpointMismatchError
-from workers.models.drafter import (
-    WEIGHTS_FILE,
-    WEIGHTS_INDEX_FILE,
-    DFlashDrafter,
-    DrafterSpec,
-    default_target_layer_ids,
-    load_drafter,
-)
-from workers.models.loading import Placement, load_target
+from workers.models.drafter import DFlashDrafter, DrafterSpec, default_target_layer_ids
+from workers.models.loading import WEIGHTS_FILE, WEIGHTS_INDEX_FILE, Placement, load_drafter, load_target
 from workers.tiny import TinyShape, tiny_drafter_config, write_tiny_pair
 
 # --- helpers ------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch
 
 from workers.decoding import ar, ddtree, dflash
 from workers.decoding.dflash import DFlashParams
+from workers.decoding.drafting import DraftGraphStore
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.tree import TreeParams, build_tree
 from workers.models.static_target import StaticTarget
@@ -29,6 +30,7 @@ def test_graph_replay_equals_eager_token_for_token(request, name):
     drafter = copy.deepcopy(tiny.drafter).cuda()
     taps = drafter.spec.target_layer_ids
     eager, graphed = StaticTarget(model, taps, graphs=False), StaticTarget(model, taps, graphs=True)
+    store = DraftGraphStore()  # the drafter's graphs, kept across generations as the Worker keeps them
     vocab, accepted = tiny.shape.vocab_size, 0
     for seed in range(4):
         prompt = torch.randint(1, vocab, (1, 5 + 7 * seed), generator=torch.Generator().manual_seed(seed)).cuda()
@@ -36,13 +38,14 @@ def test_graph_replay_equals_eager_token_for_token(request, name):
         reference = ar.generate(eager, None, prompt, config).token_ids
         for _, engine, params in ENGINES:
             want = engine(eager, drafter if params else None, prompt, config, params)
-            got = engine(graphed, drafter if params else None, prompt, config, params)
+            got = engine(graphed, drafter if params else None, prompt, config, params,
+                         draft_graphs=store if params else None)
             assert want.token_ids == reference  # eager on CUDA is itself exact
             assert got.token_ids == want.token_ids  # (acceptance may differ: the drafter graph reads a masked cache)
             accepted += sum(got.acceptance_lengths) - len(got.acceptance_lengths)
     if name != "tiny_next":  # MoE routing cannot be captured: that target falls back to eager, with a warning
         assert graphed.graphs and graphed._graphs and graphed._commit_graphs, "nothing was captured"
-        assert drafter._draft_graphs.graphs, "the drafter pass was never captured"
+        assert store._drafting is not None and store._drafting.graphs, "the drafter pass was never captured"
     assert accepted > 0
 
 
@@ -62,12 +65,12 @@ def test_tree_built_on_the_gpu_equals_the_cpu_tree(seed):
 
 
 def test_replayed_tree_build_equals_the_eager_build(tiny):
-    """DraftGraphs.build_tree replays one captured graph per tree knobs: every replay must give
+    """GraphDrafting.build_tree replays one captured graph per tree knobs: every replay must give
     build_tree's tree for the new logits (not the captured call's)."""
-    from workers.decoding.draft_graphs import DraftGraphs
-
+    model = copy.deepcopy(tiny.model).cuda()
     drafter = copy.deepcopy(tiny.drafter).cuda()
-    graphs = DraftGraphs.for_run(drafter, 64)
+    target = StaticTarget(model, drafter.spec.target_layer_ids, graphs=True)
+    graphs = DraftGraphStore().open(drafter, target, 64)
     generator = torch.Generator().manual_seed(0)
     for params in (TreeParams(16), TreeParams(40, max_depth=5, branching=3)):
         for _ in range(3):

@@ -139,13 +139,13 @@ def test_tree_state_bytes_are_per_node_vectors_not_states(tiny_next):
 
 def test_worker_trial_on_a_hybrid_target_reports_tree_state_bytes(tiny_hybrid):
     from workers.prompts import Prompt
-    from workers.worker import Method, TrialSpec, Worker, WorkerConfig
+    from workers.worker import TrialSpec, Worker, WorkerConfig
 
     worker = Worker(WorkerConfig(target=str(tiny_hybrid.target_dir), drafter=str(tiny_hybrid.drafter_dir),
                                  device="cpu", dtype="float32", local_files_only=True)).load()
     assert type(worker.target).__name__ == "StaticTarget"
     prompts = tuple(Prompt(input_ids=tuple(random_ids(6, 9, s))) for s in range(3))
-    spec = TrialSpec(Method.DDTREE, prompts, tree_budget=12, max_new_tokens=16, stop_token_ids=(), warmup=False)
+    spec = TrialSpec(TreeParams(12), prompts, max_new_tokens=16, stop_token_ids=(), warmup=False)
     result = worker.run_trial(spec)
     assert result.status == "ok", result.error
     assert result.metrics["lossless_match"] == 1.0

@@ -1,0 +1,127 @@
+"""Drafting: the step both speculative engines share, one object per way of running it.
+
+A DFlash round feeds the drafter the taps of the tokens committed last round plus the block
+[bonus, MASK x (block_size-1)] (the target's embedding of it) and reads draft logits for the
+positions after the bonus through the target's lm_head; DDTree then builds its tree from them.
+``open_drafting`` picks the way once per generation:
+
+- ``EagerDrafting``: the pass launched op by op (CPU, targets split over devices, debugging);
+- ``GraphDrafting``: the pass replayed from a CUDA graph per (new-context length, rows), and the
+  tree build from a graph per tree knobs. Graphs hold the addresses of its buffers and drafter
+  cache, so one ``GraphDrafting`` is kept for the whole run by a ``DraftGraphStore``, which the
+  Worker owns, and reset per generation.
+
+Both have the same calls: ``draft(bonus, new_context, rows) -> logits [rows, V]`` and
+``build_tree(draft_logits, params) -> DraftTree``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.decoding.tree import TreeParams, build_tree
+from workers.models.drafter import DFlashDrafter, DrafterCache
+from workers.models.graph_cache import GraphCache, capture
+from workers.seam import DraftTree, Target
+
+
+def _eager_pass(drafter: DFlashDrafter, target: Target, cache: DrafterCache, bonus: torch.Tensor,
+                new_context: torch.Tensor, rows: int) -> torch.Tensor:
+    """One drafter pass -> draft logits [rows, V]. The whole block always runs (the drafter was
+    trained on full blocks); only the first ``rows`` predictions are used."""
+    block_ids = torch.full((1, drafter.block_size), drafter.spec.mask_token_id, dtype=torch.long, device=bonus.device)
+    block_ids[0, 0] = bonus[0]
+    embed = target.model.get_input_embeddings()
+    block_embeds = embed(block_ids.to(embed.weight.device)).to(drafter.fc.weight.device)
+    hidden = drafter(block_embeds, new_context, cache)  # [1, block, H]
+    lm_head = target.model.get_output_embeddings()
+    return lm_head(hidden[0, 1 : 1 + rows].to(lm_head.weight.device))
+
+
+class EagerDrafting:
+    def __init__(self, drafter: DFlashDrafter, target: Target, capacity: int) -> None:
+        self.drafter, self.target = drafter, target
+        self.cache = drafter.new_cache(capacity)
+
+    def draft(self, bonus: torch.Tensor, new_context: torch.Tensor, rows: int) -> torch.Tensor:
+        return _eager_pass(self.drafter, self.target, self.cache, bonus, new_context, rows)
+
+    def build_tree(self, draft_logits: torch.Tensor, params: TreeParams) -> DraftTree:
+        return build_tree(torch.log_softmax(draft_logits.float(), dim=-1), params)  # on the drafter's device
+
+
+class GraphDrafting:
+    def __init__(self, drafter: DFlashDrafter, target: Target, capacity: int) -> None:
+        capacity = -(-capacity // 1024) * 1024  # rounded up so slightly longer prompts reuse the graphs
+        weight = drafter.fc.weight
+        self.drafter, self.target = drafter, target
+        self.cache = drafter.new_cache(capacity)
+        self.capacity = capacity
+        self.block_ids = torch.full((1, drafter.block_size), drafter.spec.mask_token_id, dtype=torch.long,
+                                    device=weight.device)
+        self.context = torch.zeros((1, drafter.block_size, weight.shape[1]), dtype=weight.dtype, device=weight.device)
+        self.length = torch.zeros((), dtype=torch.long, device=weight.device)
+        # by (new-context length, rows): up to block_size lengths for each of a few drafting depths
+        self.graphs = GraphCache(3 * drafter.block_size)
+        # DDTree's tree build by (tree knobs, logits shape): ~290 small kernels of fixed shapes, far
+        # cheaper replayed than launched one by one from Python (benchmarks/gpu_speed.py)
+        self.tree_graphs = GraphCache(4)
+
+    def draft(self, bonus: torch.Tensor, new_context: torch.Tensor, rows: int) -> torch.Tensor:
+        """Draft logits [rows, V]: replayed for a round's few new tokens (the graph's static output,
+        valid until the next call), eager for a longer context (the prompt, once per generation)."""
+        num_new = new_context.shape[1]
+        if num_new > self.drafter.block_size:
+            return _eager_pass(self.drafter, self.target, self.cache, bonus, new_context, rows)
+        if self.cache.length + num_new + self.drafter.block_size > self.capacity:
+            raise RuntimeError(f"drafter cache overflow: {self.cache.length + num_new} > capacity {self.capacity}")
+        self.block_ids[0, :1].copy_(bonus.view(1))
+        self.context[:, :num_new].copy_(new_context)
+        self.length.fill_(self.cache.length)
+        key = (num_new, rows)
+        if key not in self.graphs:  # the warm-ups rewrite the same context K/V into the same slots
+            self.graphs[key] = capture(lambda: self._pass(num_new, rows))
+        graph, logits = self.graphs[key]
+        graph.replay()
+        self.cache.length += num_new
+        return logits
+
+    def build_tree(self, draft_logits: torch.Tensor, params: TreeParams) -> DraftTree:
+        """``build_tree(log_softmax(draft_logits))`` replayed (static outputs, valid until the next call)."""
+        key = (params, tuple(draft_logits.shape), draft_logits.dtype)
+        if key not in self.tree_graphs:
+            logits = draft_logits.clone()
+            graph, tree = capture(lambda: build_tree(torch.log_softmax(logits.float(), dim=-1), params))
+            self.tree_graphs[key] = (logits, graph, tree)
+        logits, graph, tree = self.tree_graphs[key]
+        logits.copy_(draft_logits)
+        graph.replay()
+        return tree
+
+    def _pass(self, num_new: int, rows: int) -> torch.Tensor:
+        embeds = self.target.model.get_input_embeddings()(self.block_ids)
+        hidden = self.drafter.forward_at(embeds, self.context[:, :num_new], self.cache, self.length)
+        return self.target.model.get_output_embeddings()(hidden[0, 1 : 1 + rows])
+
+
+class DraftGraphStore:
+    """One ``GraphDrafting`` kept across generations (its graphs stay valid), grown when a run
+    needs more drafter-cache slots than it holds."""
+
+    def __init__(self) -> None:
+        self._drafting: GraphDrafting | None = None
+
+    def open(self, drafter: DFlashDrafter, target: Target, capacity: int) -> GraphDrafting:
+        current = self._drafting
+        if current is None or current.drafter is not drafter or current.target is not target or current.capacity < capacity:
+            current = self._drafting = GraphDrafting(drafter, target, capacity)
+        current.cache.reset()
+        return current
+
+
+def open_drafting(drafter: DFlashDrafter, target: Target, capacity: int,
+                  graphs: DraftGraphStore | None = None) -> EagerDrafting | GraphDrafting:
+    """Graph drafting when a store is given and the target replays graphs itself, else eager."""
+    if graphs is not None and target.graphs:
+        return graphs.open(drafter, target, capacity)
+    return EagerDrafting(drafter, target, capacity)
