@@ -47,7 +47,8 @@ def check_supported(config) -> None:
         return
     if model_type not in ATTENTION_ONLY_TYPES:
         raise UnsupportedModelError(f"target architecture '{model_type}' is not supported (supported: {supported})")
-    if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+    layer_types = getattr(config, "layer_types", None) or ()
+    if getattr(config, "use_sliding_window", False) or "sliding_attention" in layer_types:
         raise UnsupportedModelError(f"target architecture '{model_type}' with sliding-window layers is not supported")
 
 

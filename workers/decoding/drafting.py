@@ -113,7 +113,8 @@ class DraftGraphStore:
 
     def open(self, drafter: DFlashDrafter, target: Target, capacity: int) -> GraphDrafting:
         current = self._drafting
-        if current is None or current.drafter is not drafter or current.target is not target or current.capacity < capacity:
+        reusable = current is not None and current.drafter is drafter and current.target is target
+        if not reusable or current.capacity < capacity:
             current = self._drafting = GraphDrafting(drafter, target, capacity)
         current.cache.reset()
         return current

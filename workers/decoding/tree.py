@@ -100,7 +100,9 @@ def build_tree(draft_log_probs: torch.Tensor, params: TreeParams) -> DraftTree:
 
 
 @functools.lru_cache(maxsize=64)
-def _candidate_pairs(num_parents: int, top_k: int, budget: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _candidate_pairs(
+    num_parents: int, top_k: int, budget: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(parent, rank) of the children that can be among a depth's best ``budget``, parent-major.
 
     With parents and tokens each sorted best first, child (j, r) is beaten by every (j' <= j, r' <= r)

@@ -27,7 +27,9 @@ class AttentionTarget:
     ) -> None:
         check_supported(model.config)
         if is_hybrid(model.config):
-            raise UnsupportedModelError(f"'{model.config.model_type}' is a hybrid model: use workers.models.static_target.StaticTarget")
+            raise UnsupportedModelError(
+                f"'{model.config.model_type}' is a hybrid model: use workers.models.static_target.StaticTarget"
+            )
         self.model = model
         self.tap_layer_ids = tuple(tap_layer_ids)
         self.tap_device = tap_device
