@@ -7,11 +7,12 @@ Nothing in this module creates files, studies or runs.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -160,6 +161,14 @@ class MemoryTraceSection(_Strict):
     interval_ms: float = Field(50.0, gt=0)
 
 
+class MeasurementSection(_Strict):
+    repeats: int = Field(1, ge=1, description="times each prompt is generated per trial; its median-time run counts")
+    final_top_k: int = Field(
+        3, ge=0, description="best settings re-measured after the search, interleaved with AR, before naming the winner"
+    )
+    final_repeats: int = Field(3, ge=1, description="passes of the final re-measurement (each pass: AR, A, AR, B, ...)")
+
+
 class SweepConfig(_Strict):
     name: str = Field(min_length=1, description="Optuna study name; the same file resumes the same study")
     method: Literal["ddtree", "dflash", "ar"]
@@ -178,6 +187,7 @@ class SweepConfig(_Strict):
     mlflow: MlflowSection = MlflowSection()
     ray: RaySection = RaySection()
     memory_trace: MemoryTraceSection = MemoryTraceSection()
+    measurement: MeasurementSection = MeasurementSection()
 
     @model_validator(mode="after")
     def _cross_field(self) -> SweepConfig:
@@ -265,7 +275,7 @@ def load_sweep(path: str | Path, base: Path | None = None) -> SweepConfig:
     except OSError as exc:
         raise BadInputError(f"{path}: cannot read the sweep file ({exc.strerror})") from exc
     except yaml.YAMLError as exc:
-        raise BadInputError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
+        raise BadInputError(f"{path}: {_yaml_error(exc)}") from exc
     if not isinstance(raw, dict):
         raise BadInputError(f"{path}: the sweep file must be a YAML mapping at the top level")
     try:
@@ -288,9 +298,46 @@ def load_sweep(path: str | Path, base: Path | None = None) -> SweepConfig:
     return config
 
 
+def _yaml_error(exc: yaml.YAMLError) -> str:
+    """'line L, column C: problem' (1-based, as editors count) for a YAML syntax error."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"not valid YAML at {where}{problem}" + (f" ({context})" if context else "")
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models an annotation can hold (through Optional, unions, dicts, Annotated)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [model for arg in get_args(annotation) for model in _models_in(arg)]
+
+
+def _known_fields(loc: tuple[Any, ...]) -> list[str]:
+    """Field names allowed at the place of ``loc``'s last part (dict keys and union tags passed through)."""
+    models: list[type[BaseModel]] = [SweepConfig]
+    for part in loc[:-1]:
+        inner = [m for model in models if part in model.model_fields
+                 for m in _models_in(model.model_fields[part].annotation)]
+        if inner:
+            models = inner
+    return sorted({name for model in models for name in model.model_fields})
+
+
+def _did_you_mean(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else f" (allowed here: {', '.join(known)})"
+
+
 def _first_error(exc: ValidationError) -> str:
-    """pydantic's first error as 'field.path: message' (one line, the field named as in the YAML)."""
-    error = exc.errors()[0]
+    """pydantic's first error as 'field.path: message' (one line, the field named as in the YAML).
+
+    An unknown key is reported before anything else: a misspelt required field (``n_trails``) is
+    both unknown and missing, and the unknown spelling is the one the user can find in the file.
+    """
+    errors = exc.errors()
+    error = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     parts = list(error["loc"])
     # Drop pydantic's own location parts: the union tag after a search-space entry, and '[key]' markers.
     if len(parts) >= 3 and parts[0] == "search_space" and parts[2] in ("int", "categorical"):
@@ -300,7 +347,7 @@ def _first_error(exc: ValidationError) -> str:
     if error["type"] == "missing":
         message = "missing required field"
     elif error["type"] == "extra_forbidden":
-        message = "unknown field"
+        message = "unknown field" + _did_you_mean(str(error["loc"][-1]), _known_fields(tuple(error["loc"])))
     elif error["type"] == "literal_error":
         message = f"{message} (got {error.get('input')!r})"
     if error["type"] == "union_tag_invalid" or error["type"] == "union_tag_not_found":
@@ -315,8 +362,12 @@ def drafter_block_size(config: SweepConfig) -> int | None:
     path = Path(config.drafter.model) / "config.json"
     if not path.is_file():
         return None
+    from workers.models.drafter import check_is_drafter
+
     try:
-        return int(json.loads(path.read_text())["block_size"])
+        raw = json.loads(path.read_text())
+        check_is_drafter(raw, f"drafter.model: {path}")
+        return int(raw["block_size"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BadInputError(f"{path}: cannot read the drafter's block_size ({exc})") from exc
 

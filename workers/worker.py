@@ -25,8 +25,8 @@ from workers.decoding import ar, ddtree, dflash
 from workers.decoding.generation import GenerationConfig, GenerationOutput, StageTimer, device_sync
 from workers.decoding.tree import TreeParams
 from workers.errors import BadInputError
-from workers.memory import MemoryTrace, MemoryTracer, reset_and_empty_cache
-from workers.metrics import acceptance_histogram, per_category, summarize
+from workers.memory import KIND_CUDA, MemoryTrace, MemoryTracer, reset_and_empty_cache
+from workers.metrics import acceptance_histogram, median_run, per_category, summarize
 from workers.models.drafter import DFlashDrafter, DrafterSpec, load_drafter, resolve_checkpoint_dir
 from workers.models.loading import Placement, load_target, load_tokenizer, parse_dtype
 from workers.models.placement import drafter_bytes_for
@@ -74,6 +74,7 @@ class TrialSpec:
     stage_timing: bool = True  # per-stage shares; synchronises the GPU around stages
     warmup: bool = True
     baseline: bool = True  # also measure (once, cached) AR on the same prompts: speedup, lossless_match
+    repeats: int = 1  # each prompt generated this many times; the run with its median decode time counts
     fault: str | None = None  # "oom" | "error" | "crash": fault injection for tests (crash kills the process)
 
     def params(self) -> dict[str, Any]:
@@ -177,9 +178,10 @@ class Worker:
         if status == "oom":
             reset_and_empty_cache()  # outside the except block: the traceback no longer pins tensors
         trace = tracer.trace
-        metrics["peak_memory_gib"] = trace.peak_gib
-        for device, gib in trace.peak_gib_per_device().items():
-            metrics[f"peak_memory_gib_dev{device}"] = gib
+        metrics["peak_memory_gib"] = trace.peak_gib  # CUDA reserved, or the process's RSS on CPU (trace.kind)
+        if trace.kind == KIND_CUDA:
+            for device, gib in trace.peak_gib_per_device().items():
+                metrics[f"peak_memory_gib_dev{device}"] = gib
         return TrialResult(
             status=status,
             method=spec.method.value,
@@ -228,11 +230,15 @@ class Worker:
             warm = GenerationConfig(min(WARMUP_TOKENS, gen.max_new_tokens), gen.temperature, (), gen.seed)
             generate(self.target, drafter, prompts[0], warm, params)
         outputs, state_bytes = [], 0
-        for index, prompt_ids in enumerate(prompts):
-            timer = StageTimer(device_sync(self.target.device)) if spec.stage_timing else None
-            prompt_gen = GenerationConfig(gen.max_new_tokens, gen.temperature, gen.stop_token_ids, gen.seed + index)
+        def measure(prompt_ids: torch.Tensor, prompt_gen: GenerationConfig) -> GenerationOutput:
+            timer = StageTimer(device_sync(self.target.device)) if spec.stage_timing else None  # one per run
             kwargs = {"timer": timer} if timer else {}
-            outputs.append(generate(self.target, drafter, prompt_ids, prompt_gen, params, **kwargs))
+            return generate(self.target, drafter, prompt_ids, prompt_gen, params, **kwargs)
+
+        for index, prompt_ids in enumerate(prompts):
+            prompt_gen = GenerationConfig(gen.max_new_tokens, gen.temperature, gen.stop_token_ids, gen.seed + index)
+            # Repeats give the same tokens (same seed); only the times differ, and the median one counts.
+            outputs.append(median_run([measure(prompt_ids, prompt_gen) for _ in range(max(spec.repeats, 1))]))
             state_bytes = max(state_bytes, getattr(self.target, "peak_state_bytes", 0))
         self._state_bytes = state_bytes if getattr(self.target, "linear_ids", ()) else None
         return outputs
@@ -240,10 +246,11 @@ class Worker:
     def _baseline(self, spec: TrialSpec, prompts: list[torch.Tensor], gen: GenerationConfig) -> list[GenerationOutput]:
         """AR on the same prompts and settings, measured once per worker and reused."""
         key = hashlib.sha256(
-            json.dumps([[p.tolist() for p in prompts], gen.max_new_tokens, gen.temperature, gen.stop_token_ids, gen.seed])
+            json.dumps([[p.tolist() for p in prompts], gen.max_new_tokens, gen.temperature, gen.stop_token_ids, gen.seed,
+                        spec.repeats])
             .encode()
         ).hexdigest()
         if key not in self._baselines:
-            ar_spec = TrialSpec(Method.AR, spec.prompts, stage_timing=False, warmup=spec.warmup)
+            ar_spec = TrialSpec(Method.AR, spec.prompts, stage_timing=False, warmup=spec.warmup, repeats=spec.repeats)
             self._baselines[key] = self._generate_all(ar_spec, prompts, gen)
         return self._baselines[key]
