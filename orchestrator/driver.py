@@ -273,21 +273,20 @@ class Driver:
                            "each interleaved with the AR baseline ...")
         slot = self.slots[0]
         samples: dict[int, list[tuple[dict, dict]]] = {t.number: [] for t in picks}
-        total, done = 2 * passes * len(picks), 0
-        for _ in range(passes):
+        for index in range(passes):
             for trial in picks:
                 pair = []
                 for spec in (self._spec({}, None, method=Method.AR, repeats=1, baseline=False),
                              self._spec(dict(trial.params) | dict(self.config.fixed_params), None, repeats=1,
                                         baseline=False)):
-                    self.progress.stage = f"re-measuring {done + 1}/{total}"
+                    slot.state = "re-measuring"
+                    self.progress.stage = f"re-measuring: pass {index + 1}/{passes}"
                     self.progress.update(self.study, self.slots, studies.count_complete(self.study),
                                          studies.target_complete(self.config))
                     result = self._measure(slot, spec)
                     if result is None:  # interrupted: the next run does the whole re-measurement again
                         return None
                     pair.append(result)
-                    done += 1
                 if all(r["status"] == "ok" for r in pair):
                     samples[trial.number].append((pair[0]["metrics"], pair[1]["metrics"]))
         self.progress.stage = ""
@@ -318,7 +317,6 @@ class Driver:
     def _measure(self, slot: Slot, spec: TrialSpec) -> dict[str, Any] | None:
         """One measurement on ``slot``'s actor, waiting in short steps so Ctrl-C stays responsive."""
         ref = slot.handle.run_trial.remote(spec)
-        slot.state = "re-measuring"
         try:
             while not self.stop_requested:
                 ready, _ = ray.wait([ref], num_returns=1, timeout=0.5)

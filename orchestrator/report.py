@@ -223,8 +223,8 @@ def write_optuna_plots(study, out: Path, objectives: list[tuple[str, str]]) -> t
                 warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
                 ax = draw(study, **kwargs)
             figure = (ax.flat[0] if hasattr(ax, "flat") else ax).figure
-            figure.set_size_inches(8, 4.5)
-            figure.tight_layout()
+            figure.set_size_inches(9, 5)
+            figure.tight_layout(rect=(0, 0, 1, 0.92))  # room for the title above Optuna's legend
             figure.savefig(path, dpi=90)
             plt.close(figure)
             written.append(path)
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             searched = frame[frame["trial"] == row["trial"]]
             if not searched.empty:
                 name = objectives[0][0]
-                console.print(f"  in the search it measured {name} {_cell(searched.iloc[0][name])} (one sample); "
+                console.print(f"  in the search it measured {name} {_cell(searched.iloc[0][name])} (in the search); "
                               f"re-measured range {_cell(row['tokens_per_s_min'])}..{_cell(row['tokens_per_s_max'])} "
                               f"tokens/s, speedup {_cell(row['speedup'])} against AR at "
                               f"{_cell(row['baseline_tokens_per_s'])} tokens/s", highlight=False)
