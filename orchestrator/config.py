@@ -295,7 +295,20 @@ def load_sweep(path: str | Path, base: Path | None = None) -> SweepConfig:
     config = config.model_copy(update=updates)
     if config.prompts.path is not None and not config.prompts.path.is_file():
         raise BadInputError(f"{path}: prompts.path: no such file {config.prompts.path}")
+    if config.drafter is not None:
+        _check_local_drafter(Path(config.drafter.model), f"{path}: drafter.model: {config.drafter.model}")
     return config
+
+
+def _check_local_drafter(folder: Path, source: str) -> None:
+    """A local drafter folder must hold a DFlash drafter, not a target (hub ids are checked at load)."""
+    from workers.models.drafter import check_is_drafter
+
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):  # no folder or no config here: the loader names what is missing
+        return
+    check_is_drafter(raw, source)
 
 
 def _yaml_error(exc: yaml.YAMLError) -> str:
@@ -362,12 +375,8 @@ def drafter_block_size(config: SweepConfig) -> int | None:
     path = Path(config.drafter.model) / "config.json"
     if not path.is_file():
         return None
-    from workers.models.drafter import check_is_drafter
-
     try:
-        raw = json.loads(path.read_text())
-        check_is_drafter(raw, f"drafter.model: {path}")
-        return int(raw["block_size"])
+        return int(json.loads(path.read_text())["block_size"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BadInputError(f"{path}: cannot read the drafter's block_size ({exc})") from exc
 
