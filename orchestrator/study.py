@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,7 +118,9 @@ def open_study(config: SweepConfig, storage, new_study: bool = False) -> StudyHa
     else:
         study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
     if study.metric_names is None:  # optuna-dashboard and plots then say tokens_per_s, not "Objective 0"
-        study.set_metric_names([objective.metric for objective in config.objectives])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study.set_metric_names([objective.metric for objective in config.objectives])
     if config.sampler.type == "grid":
         enqueue_grid(study, config)
     return StudyHandle(study, name, create)
