@@ -7,11 +7,12 @@ Nothing in this module creates files, studies or runs.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -161,6 +162,11 @@ class MeasurementSection(_Strict):
         False, description="per-stage shares (share_*): synchronises the device around every stage, so tokens/s drops; "
         "the AR baseline is then timed the same way"
     )
+    repeats: int = Field(1, ge=1, description="times each prompt is generated per trial; its median-time run counts")
+    final_top_k: int = Field(
+        3, ge=0, description="best settings re-measured after the search, interleaved with AR, before naming the winner"
+    )
+    final_repeats: int = Field(3, ge=1, description="passes of the final re-measurement (each pass: AR, A, AR, B, ...)")
 
 
 class SweepConfig(_Strict):
@@ -276,7 +282,7 @@ def load_sweep(path: str | Path, base: Path | None = None) -> SweepConfig:
     except OSError as exc:
         raise BadInputError(f"{path}: cannot read the sweep file ({exc.strerror})") from exc
     except yaml.YAMLError as exc:
-        raise BadInputError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
+        raise BadInputError(f"{path}: {_yaml_error(exc)}") from exc
     if not isinstance(raw, dict):
         raise BadInputError(f"{path}: the sweep file must be a YAML mapping at the top level")
     try:
@@ -296,12 +302,62 @@ def load_sweep(path: str | Path, base: Path | None = None) -> SweepConfig:
     config = config.model_copy(update=updates)
     if config.prompts.path is not None and not config.prompts.path.is_file():
         raise BadInputError(f"{path}: prompts.path: no such file {config.prompts.path}")
+    if config.drafter is not None:
+        _check_local_drafter(Path(config.drafter.model), f"{path}: drafter.model: {config.drafter.model}")
     return config
 
 
+def _check_local_drafter(folder: Path, source: str) -> None:
+    """A local drafter folder must hold a DFlash drafter, not a target (hub ids are checked at load)."""
+    from workers.models.drafter import check_is_drafter
+
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):  # no folder or no config here: the loader names what is missing
+        return
+    check_is_drafter(raw, source)
+
+
+def _yaml_error(exc: yaml.YAMLError) -> str:
+    """'line L, column C: problem' (1-based, as editors count) for a YAML syntax error."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"not valid YAML at {where}{problem}" + (f" ({context})" if context else "")
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models an annotation can hold (through Optional, unions, dicts, Annotated)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [model for arg in get_args(annotation) for model in _models_in(arg)]
+
+
+def _known_fields(loc: tuple[Any, ...]) -> list[str]:
+    """Field names allowed at the place of ``loc``'s last part (dict keys and union tags passed through)."""
+    models: list[type[BaseModel]] = [SweepConfig]
+    for part in loc[:-1]:
+        inner = [m for model in models if part in model.model_fields
+                 for m in _models_in(model.model_fields[part].annotation)]
+        if inner:
+            models = inner
+    return sorted({name for model in models for name in model.model_fields})
+
+
+def _did_you_mean(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else f" (allowed here: {', '.join(known)})"
+
+
 def _first_error(exc: ValidationError) -> str:
-    """pydantic's first error as 'field.path: message' (one line, the field named as in the YAML)."""
-    error = exc.errors()[0]
+    """pydantic's first error as 'field.path: message' (one line, the field named as in the YAML).
+
+    An unknown key is reported before anything else: a misspelt required field (``n_trails``) is
+    both unknown and missing, and the unknown spelling is the one the user can find in the file.
+    """
+    errors = exc.errors()
+    error = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     parts = list(error["loc"])
     # Drop pydantic's own location parts: the union tag after a search-space entry, and '[key]' markers.
     if len(parts) >= 3 and parts[0] == "search_space" and parts[2] in ("int", "categorical"):
@@ -311,7 +367,7 @@ def _first_error(exc: ValidationError) -> str:
     if error["type"] == "missing":
         message = "missing required field"
     elif error["type"] == "extra_forbidden":
-        message = "unknown field"
+        message = "unknown field" + _did_you_mean(str(error["loc"][-1]), _known_fields(tuple(error["loc"])))
     elif error["type"] == "literal_error":
         message = f"{message} (got {error.get('input')!r})"
     if error["type"] == "union_tag_invalid" or error["type"] == "union_tag_not_found":

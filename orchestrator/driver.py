@@ -6,6 +6,12 @@ Order of writes per trial, chosen so a crash at any point loses nothing and coun
   3. Optuna ``tell`` (COMPLETE).
 On resume, a RUNNING Optuna trial whose child run is FINISHED is recovered from MLflow (step 3
 redone); otherwise its child run is marked KILLED and the trial is failed and queued again.
+
+After the search, the best few settings are measured again (``measurement.final_top_k``), each pass
+interleaving them with the AR baseline on one actor (AR, A, AR, B, ...), so a setting that won on a
+lucky sample or on a quiet moment of the machine is not named the winner; each setting's speedup in
+a pass is against the AR run just before it. The medians over passes go to one ``remeasure`` run
+per setting and the winner's values to the parent run (``best_*``).
 """
 
 from __future__ import annotations
@@ -23,12 +29,13 @@ import ray
 from optuna.trial import TrialState
 
 from orchestrator import study as studies
-from orchestrator.config import SweepConfig, check_against_block
+from orchestrator.config import METRICS, SweepConfig, check_against_block
 from orchestrator.pool import ACTOR_DEATH, Slot, replace_actor, start_pool
 from orchestrator.progress import Progress
-from orchestrator.tracking import STATUS_TAG, TRIAL_TAG, Tracker
+from orchestrator.tracking import ROUND_TAG, STATUS_TAG, TRIAL_TAG, Tracker, environment_params, sweep_params
+from workers.decoding.methods import METHODS, Method
 from workers.prompts import load_source
-from workers.worker import TrialSpec, TrialStatus
+from workers.worker import TrialResult, TrialSpec, TrialStatus
 
 EXIT_OK, EXIT_INTERRUPTED = 0, 130
 MAX_ATTEMPTS = 2  # a trial whose actor died is re-run once on the restarted actor, then failed
@@ -77,9 +84,12 @@ class Driver:
             handle = studies.open_study(self.config, storage, self.new_study)
             self.study, self.study_name = handle.study, handle.name
             self.tracker = Tracker(self.config.mlflow.tracking_uri, self.config.mlflow.experiment)
+            params = sweep_params(self.config) | environment_params([slot.info for slot in self.slots])
             self.parent_id = self.tracker.parent_run(
-                self.study_name, self.config.fingerprint(), self.config_path, self.config.model_dump(mode="json")
+                self.study_name, self.config.fingerprint(), self.config_path, self.config.model_dump(mode="json"),
+                params,
             )
+            self.tracker.set_parent_tags(self.parent_id, {"n_trials": self.config.n_trials})
             self._recover()
             return self._loop()
         finally:
@@ -130,7 +140,11 @@ class Driver:
             if self.stop_requested:
                 self._interrupt()
                 return EXIT_INTERRUPTED
-            self.tracker.finish_parent(self.parent_id, "FINISHED", self._summary())
+            final = self._final_remeasure()
+            if self.stop_requested:
+                self._interrupt()
+                return EXIT_INTERRUPTED
+            self.tracker.finish_parent(self.parent_id, "FINISHED", self._summary(), self._best_metrics(final))
             self.progress.note(f"done: {studies.count_complete(self.study)} complete trials in '{self.study_name}'")
             return EXIT_OK
         except KeyboardInterrupt:
@@ -142,10 +156,11 @@ class Driver:
             return True
         return bool(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
 
-    def _spec(self, params: dict[str, Any], fault: str | None) -> TrialSpec:
+    def _spec(self, params: dict[str, Any], fault: str | None, method: Method | None = None,
+              repeats: int | None = None, baseline: bool = True) -> TrialSpec:
         gen = self.config.generation
         return TrialSpec(
-            params=self.config.method_params.from_mapping(params),
+            params=METHODS[method or Method(self.config.method)].params.from_mapping(params),
             prompts=self.prompts,
             max_new_tokens=self.config.prompts.max_new_tokens,
             temperature=gen.temperature,
@@ -153,7 +168,17 @@ class Driver:
             stop_token_ids=tuple(gen.stop_token_ids) if gen.stop_token_ids is not None else None,
             stage_timing=self.config.measurement.stage_timing,
             fault=fault,
+            repeats=self.config.measurement.repeats if repeats is None else repeats,
+            baseline=baseline,
         )
+
+    def _run_params(self, number: int, params: dict[str, Any]) -> dict[str, Any]:
+        """What identifies a trial, as child-run params: number, method, every method parameter
+        (None where the engine's default applies), and how it was measured."""
+        method_params = {name: params.get(name) for name in self.config.method_params.knob_names()}
+        return {"trial": number, "method": self.config.method, **method_params,
+                "repeats": self.config.measurement.repeats, "max_new_tokens": self.config.prompts.max_new_tokens,
+                "temperature": self.config.generation.temperature, "study": self.study_name}
 
     def _submit_new(self, slot: Slot) -> None:
         trial = self.study.ask()
@@ -162,7 +187,8 @@ class Driver:
         self._submit(slot, trial.number, params, attempt=1, fault=fault)
 
     def _submit(self, slot: Slot, number: int, params: dict[str, Any], attempt: int, fault: str | None = None) -> None:
-        run_id = self.tracker.start_child(self.parent_id, self.study_name, number, params, attempt)
+        run_id = self.tracker.start_child(self.parent_id, self.study_name, number, self._run_params(number, params), attempt)
+        studies.link_run(self.study, number, run_id, self.tracker.run_url(run_id))
         ref = slot.handle.run_trial.remote(self._spec(params, fault))
         self.inflight[ref] = InFlight(slot, number, params, run_id, attempt, int(time.time() * 1000))
         slot.state, slot.trial_number = "running", number
@@ -224,3 +250,143 @@ class Driver:
 
     def _summary(self) -> dict[str, Any]:
         return studies.summary(self.study, self.config)
+
+    # -- the final re-measurement ----------------------------------------------------------------------
+    def _final_remeasure(self) -> dict[str, Any] | None:
+        """Re-measure the top settings interleaved with AR; None when off or nothing to re-measure.
+
+        Skipped when the parent run already holds a re-measurement of exactly these trials (a
+        finished study run again); a study extended since then is re-measured in a new round.
+        """
+        measurement = self.config.measurement
+        if measurement.final_top_k == 0 or self.config.method == "ar":
+            return None
+        picks = studies.top_trials(self.study, self.config, measurement.final_top_k)
+        if not picks:
+            return None
+        numbers = ",".join(str(t.number) for t in picks)
+        parent = self.tracker.client.get_run(self.parent_id).data
+        if parent.tags.get("final_trials") == numbers and parent.tags.get("final_state") == "done":
+            return self._recorded_final(int(parent.tags[ROUND_TAG]), numbers)
+        round_id = int(parent.tags.get(ROUND_TAG, "0")) + 1
+        passes = measurement.final_repeats
+        self.progress.note(f"re-measuring the best {len(picks)} settings (trials {numbers}), {passes} passes, "
+                           "each interleaved with the AR baseline ...")
+        slot = self.slots[0]
+        samples: dict[int, list[tuple[dict, dict]]] = {t.number: [] for t in picks}
+        for index in range(passes):
+            for trial in picks:
+                pair = []
+                for spec in (self._spec({}, None, method=Method.AR, repeats=1, baseline=False),
+                             self._spec(dict(trial.params) | dict(self.config.fixed_params), None, repeats=1,
+                                        baseline=False)):
+                    slot.state = "re-measuring"
+                    self.progress.stage = f"re-measuring: pass {index + 1}/{passes}"
+                    self.progress.update(self.study, self.slots, studies.count_complete(self.study),
+                                         studies.target_complete(self.config))
+                    result = self._measure(slot, spec)
+                    if result is None:  # interrupted: the next run does the whole re-measurement again
+                        return None
+                    pair.append(result)
+                if all(r.status is TrialStatus.OK for r in pair):
+                    samples[trial.number].append((pair[0].metrics, pair[1].metrics))
+        self.progress.stage = ""
+        final: dict[str, Any] = {"round": round_id, "trials": {}}
+        for trial in picks:
+            metrics = _remeasured_metrics(samples[trial.number])
+            if metrics is None:
+                self.progress.note(f"trial {trial.number}: its re-measurement failed; not a candidate")
+                continue
+            params = self._run_params(trial.number, dict(trial.params) | dict(self.config.fixed_params))
+            self.tracker.log_remeasure(self.parent_id, self.study_name, trial.number, params | {"passes": passes},
+                                       metrics, round_id)
+            final["trials"][trial.number] = metrics
+        self.tracker.set_parent_tags(self.parent_id, {ROUND_TAG: round_id, "final_trials": numbers,
+                                                      "final_state": "done"})
+        self._note_final(final)
+        return final
+
+    def _recorded_final(self, round_id: int, numbers: str) -> dict[str, Any]:
+        runs = self.tracker.client.search_runs(
+            [self.tracker.experiment_id],
+            f"tags.sweep_study = '{self.study_name}' and tags.sweep_role = 'remeasure' and tags.{ROUND_TAG} = '{round_id}'",
+            max_results=1000,
+        )
+        self.progress.note(f"the best settings (trials {numbers}) were already re-measured (round {round_id})")
+        return {"round": round_id, "trials": {int(r.data.tags[TRIAL_TAG]): dict(r.data.metrics) for r in runs}}
+
+    def _measure(self, slot: Slot, spec: TrialSpec) -> TrialResult | None:
+        """One measurement on ``slot``'s actor, waiting in short steps so Ctrl-C stays responsive."""
+        ref = slot.handle.run_trial.remote(spec)
+        try:
+            while not self.stop_requested:
+                ready, _ = ray.wait([ref], num_returns=1, timeout=0.5)
+                if ready:
+                    return ray.get(ref)
+            return None
+        finally:
+            slot.state = "idle"
+
+    def _note_final(self, final: dict[str, Any]) -> None:
+        objective = self.config.objectives[0]
+        for number, metrics in final["trials"].items():
+            self.progress.note(
+                f"  trial {number}: {objective.metric} {metrics.get(objective.metric, float('nan')):.4g} "
+                f"(median of {metrics['passes']:.0f} passes; tokens/s {metrics['tokens_per_s_min']:.4g}.."
+                f"{metrics['tokens_per_s_max']:.4g}), speedup {metrics.get('speedup') or float('nan'):.3g} "
+                f"against AR at {metrics.get('baseline_tokens_per_s') or float('nan'):.4g} tokens/s"
+            )
+
+    def _best_metrics(self, final: dict[str, Any] | None) -> dict[str, float]:
+        """Parent metrics: ``search_best_*`` (the best trial as measured in the search) and ``best_*``
+        (the winner: the best re-measured setting when there was a re-measurement)."""
+        summary = self._summary()
+        out: dict[str, float] = {}
+        names = (*METRICS, "tokens_per_s_median", "tokens_per_s_iqr", "baseline_tokens_per_s")
+        if "best_trial" in summary:
+            searched = self.tracker.trial_metrics(self.study_name, summary["best_trial"])
+            out |= {f"search_best_{k}": v for k, v in searched.items() if k in names}
+            out["search_best_trial"] = float(summary["best_trial"])
+        winner = _final_winner(final, self.config) if final else None
+        if winner is not None:
+            number, metrics = winner
+            out |= {f"best_{k}": v for k, v in metrics.items() if k in names or k.startswith("tokens_per_s_")}
+            out["best_trial"] = float(number)
+            self.tracker.set_parent_tags(self.parent_id, {"best_trial": number, "best_source": "re-measured"})
+        elif "best_trial" in summary:
+            out |= {k.replace("search_best_", "best_", 1): v for k, v in out.items()}
+            self.tracker.set_parent_tags(self.parent_id, {"best_trial": summary["best_trial"], "best_source": "search"})
+        return out
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _remeasured_metrics(pairs: list[tuple[dict, dict]]) -> dict[str, float] | None:
+    """Medians over passes of every numeric metric; speedup per pass against the AR run just before."""
+    if not pairs:
+        return None
+    keys = set.intersection(*(set(k for k, v in method.items() if isinstance(v, (int, float))) for _, method in pairs))
+    out = {key: _median([float(method[key]) for _, method in pairs]) for key in keys if not key.startswith("baseline_")}
+    speeds = [float(method["tokens_per_s"]) for _, method in pairs]
+    out["tokens_per_s_min"], out["tokens_per_s_max"] = min(speeds), max(speeds)
+    ratios = [ar["tpot_s"] / method["tpot_s"] for ar, method in pairs if method.get("tpot_s") and ar.get("tpot_s")]
+    out["speedup"] = _median(ratios) if ratios else float("nan")
+    out["baseline_tokens_per_s"] = _median([float(ar["tokens_per_s"]) for ar, _ in pairs])
+    out["passes"] = float(len(pairs))
+    return out
+
+
+def _final_winner(final: dict[str, Any], config: SweepConfig) -> tuple[int, dict[str, float]] | None:
+    """The best re-measured setting by the first objective (single-objective sweeps only)."""
+    if len(config.objectives) != 1 or not final["trials"]:
+        return None
+    objective = config.objectives[0]
+    sign = 1 if objective.direction == "maximize" else -1
+    scored = [(n, m) for n, m in final["trials"].items() if m.get(objective.metric) is not None]
+    if not scored:
+        return None
+    return max(scored, key=lambda item: (sign * item[1][objective.metric], -item[0]))

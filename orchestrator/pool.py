@@ -9,6 +9,7 @@ inherit every GPU under Ray 2.60, so it gets CUDA_VISIBLE_DEVICES="" explicitly.
 from __future__ import annotations
 
 import os
+import platform
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -41,10 +42,21 @@ class GenerationActor:
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "block_size": self.worker.block_size if self.worker else None,
             "load_error": self.load_error,
+            "devices": _device_names(),  # for the parent run's env.devices
+            "host": platform.node(),
         }
 
     def run_trial(self, spec: TrialSpec) -> TrialResult:
         return self.worker.run_trial(spec)
+
+
+def _device_names() -> list[str]:
+    """What this actor computes on: its visible GPUs by name, else the CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return [f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"]
 
 
 def worker_config(config: SweepConfig) -> dict[str, Any]:

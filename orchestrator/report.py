@@ -1,10 +1,13 @@
 """Report on a sweep: ``python -m orchestrator.report SWEEP.yaml [--out DIR]``.
 
 Reads the study's trial runs back from MLflow (metrics, params, status) and Optuna (state,
-feasibility), prints a table of trials and the best settings, and writes trials.csv and plots:
-tokens/s and tau against tree budget, peak memory against budget, and the Pareto front of the
-objectives (or tokens/s against peak memory for one objective). The notebook
-notebooks/sweep_analysis.ipynb calls the same functions.
+feasibility), prints a table of trials, what the baseline is, and the best settings (the final
+re-measurement's winner when the sweep re-measured its top settings), and writes trials.csv,
+remeasured.csv and plots to reports/<study>/: tokens/s and tau against the tree budget (points
+coloured by depth or branching, the AR baseline as a line), peak memory against budget, the Pareto
+front of the objectives (or tokens/s against peak memory for one objective), and Optuna's own
+parameter importances and parallel coordinates. It only reads the stores. The notebook
+notebooks/sweep_analysis.ipynb calls the same functions (and writes its figures elsewhere).
 """
 
 from __future__ import annotations
@@ -19,7 +22,35 @@ from workers.decoding.methods import all_knobs
 from workers.errors import BadInputError
 
 PARAM_COLUMNS = tuple(knob.name for knob in all_knobs())  # every method's knobs, from the registry
-METRIC_COLUMNS = ("tokens_per_s", "tau", "speedup", "peak_memory_gib", "ttft_s", "tpot_s", "lossless_match")
+METRIC_COLUMNS = ("tokens_per_s", "tokens_per_s_median", "tokens_per_s_iqr", "tau", "speedup", "peak_memory_gib",
+                  "ttft_s", "tpot_s", "lossless_match", "baseline_tokens_per_s")
+REMEASURED_COLUMNS = ("tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "tau", "speedup", "tpot_s",
+                      "peak_memory_gib", "baseline_tokens_per_s", "passes")
+UNITS = {
+    "tokens_per_s": "tokens/s (decode, prefill excluded)",
+    "tau": "tau (tokens committed per round)",
+    "speedup": "speedup over AR (x)",
+    "peak_memory_gib": "peak memory (GiB)",
+    "ttft_s": "time to first token (s)",
+    "tpot_s": "time per output token (s)",
+    "tree_budget": "tree budget (nodes per round)",
+    "num_draft_tokens": "draft tokens per round",
+    "max_depth": "max depth",
+    "branching": "branching (children per node)",
+}
+MEMORY_KINDS = {"cuda": "GPU, CUDA reserved", "process_rss": "process RSS, CPU"}
+BASELINE_TEXT = (
+    "baseline: AR = plain autoregressive decoding with the same target, on the same actor, prompts and "
+    "max_new_tokens; speedup = AR time per output token / the method's (1.0 = as fast as AR)."
+)
+CPU_TEXT = (
+    "on CPU, speedups below 1 are expected with a tiny pair: speculative decoding wins when one target "
+    "pass is expensive and costs about the same for 1 or 64 tokens (a large model on a GPU at batch 1 is "
+    "bound by reading its weights) and the drafter is cheap beside it. A tiny pair on CPU has neither: "
+    "each pass costs mostly fixed per-layer overhead, the drafter's pass about as much as a target step, "
+    "and a round's drafting, tree build and verify cost more than its extra accepted tokens save. The "
+    "demo shows the tool working, not a GPU's speedup."
+)
 
 
 def trials_from_mlflow(tracking_uri: str, experiment: str, study: str) -> pd.DataFrame:
@@ -43,10 +74,38 @@ def trials_from_mlflow(tracking_uri: str, experiment: str, study: str) -> pd.Dat
                 value = run.data.params[name]
                 row[name] = None if value == "None" else int(value)
         row.update({name: run.data.metrics.get(name) for name in METRIC_COLUMNS})
+        row["memory_kind"] = run.data.tags.get("memory_kind", "cuda")
         row["run_id"] = run.info.run_id
         rows.append(row)
     frame = pd.DataFrame(rows)
     return frame.sort_values("trial").reset_index(drop=True) if rows else frame
+
+
+def remeasured_from_mlflow(tracking_uri: str, experiment: str, study: str) -> pd.DataFrame:
+    """One row per setting of the study's latest final re-measurement (empty when there was none)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return pd.DataFrame()
+    runs = client.search_runs([found.experiment_id],
+                              f"tags.sweep_study = '{study}' and tags.sweep_role = 'remeasure'", max_results=50_000)
+    if not runs:
+        return pd.DataFrame()
+    latest = max(int(run.data.tags.get("final_round", "0")) for run in runs)
+    rows = []
+    for run in runs:
+        if int(run.data.tags.get("final_round", "0")) != latest:
+            continue
+        row = {"trial": int(run.data.tags["optuna_trial"]), "status": "ok"}
+        for name in PARAM_COLUMNS:
+            if name in run.data.params:
+                value = run.data.params[name]
+                row[name] = None if value == "None" else int(value)
+        row.update({name: run.data.metrics.get(name) for name in REMEASURED_COLUMNS})
+        rows.append(row)
+    return pd.DataFrame(rows).sort_values("trial").reset_index(drop=True)
 
 
 def pareto_mask(frame: pd.DataFrame, objectives: list[tuple[str, str]]) -> pd.Series:
@@ -58,6 +117,32 @@ def pareto_mask(frame: pd.DataFrame, objectives: list[tuple[str, str]]) -> pd.Se
         dominated = ((values >= row).all(axis=1) & (values > row).any(axis=1)).any()
         mask.append(not dominated)
     return pd.Series(mask, index=frame.index)
+
+
+def _colour_column(frame: pd.DataFrame) -> str | None:
+    """max_depth when it varies, else branching when it varies (the knobs beside the budget)."""
+    for name in ("max_depth", "branching"):
+        if name in frame and frame[name].dropna().nunique() > 1:
+            return name
+    return None
+
+
+def _scatter(ax, data: pd.DataFrame, x: str, y: str, colour: str | None) -> None:
+    """Points coloured by ``colour`` (a colour bar); those where it is unset (engine default) in grey."""
+    if colour is None:
+        ax.scatter(data[x], data[y], s=22)
+        return
+    known = data[data[colour].notna()]
+    points = ax.scatter(known[x], known[y], c=known[colour].astype(float), cmap="viridis", s=26)
+    ax.figure.colorbar(points, ax=ax, label=UNITS.get(colour, colour))
+    unset = data[data[colour].isna()]
+    if not unset.empty:
+        ax.scatter(unset[x], unset[y], s=26, color="grey", marker="s", label=f"{colour} unset (engine default)")
+
+
+def _memory_label(frame: pd.DataFrame) -> str:
+    kinds = sorted(set(frame["memory_kind"].dropna())) if "memory_kind" in frame else ["cuda"]
+    return f"peak memory (GiB, {', '.join(MEMORY_KINDS.get(k, k) for k in kinds)})"
 
 
 def write_plots(frame: pd.DataFrame, out: Path, objectives: list[tuple[str, str]]) -> list[Path]:
@@ -72,17 +157,26 @@ def write_plots(frame: pd.DataFrame, out: Path, objectives: list[tuple[str, str]
     x = "tree_budget" if "tree_budget" in frame and frame["tree_budget"].notna().any() else None
     if x is None and "num_draft_tokens" in frame and frame["num_draft_tokens"].notna().any():
         x = "num_draft_tokens"
+    colour = _colour_column(frame)
+    baseline = ok["baseline_tokens_per_s"].dropna() if "baseline_tokens_per_s" in ok else pd.Series(dtype=float)
     if x is not None:
         for metric, name in (("tokens_per_s", "tokens_per_s_vs_budget.png"), ("tau", "tau_vs_budget.png"),
                              ("peak_memory_gib", "peak_memory_vs_budget.png")):
-            fig, ax = plt.subplots(figsize=(6, 4))
+            fig, ax = plt.subplots(figsize=(6.5, 4))
             data = ok if metric != "peak_memory_gib" else frame
-            ax.scatter(data[x], data[metric], s=18)
+            _scatter(ax, data, x, metric, colour)
+            if metric == "tokens_per_s" and not baseline.empty:  # the number every setting has to beat
+                ax.axhline(baseline.median(), color="C3", linestyle="--",
+                           label=f"AR baseline ({baseline.median():.4g} tokens/s)")
+            if metric == "tau":
+                ax.axhline(1.0, color="C3", linestyle="--", label="AR (tau = 1)")
             if x == "tree_budget":
                 ax.set_xscale("log", base=2)
-            ax.set_xlabel(x)
-            ax.set_ylabel(metric)
+            ax.set_xlabel(UNITS.get(x, x))
+            ax.set_ylabel(_memory_label(frame) if metric == "peak_memory_gib" else UNITS.get(metric, metric))
             ax.set_title(f"{metric} against {x}")
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
             fig.tight_layout()
             fig.savefig(out / name, dpi=90)
             plt.close(fig)
@@ -95,8 +189,9 @@ def write_plots(frame: pd.DataFrame, out: Path, objectives: list[tuple[str, str]
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.scatter(ok[pair[0]], ok[pair[1]], s=14, alpha=0.5, label="trials")
         ax.plot(front[pair[0]], front[pair[1]], "o-", color="C3", label="Pareto front")
-        ax.set_xlabel(pair[0])
-        ax.set_ylabel(pair[1])
+        label = {"peak_memory_gib": _memory_label(frame)}
+        ax.set_xlabel(label.get(pair[0], UNITS.get(pair[0], pair[0])))
+        ax.set_ylabel(label.get(pair[1], UNITS.get(pair[1], pair[1])))
         ax.legend()
         ax.set_title("Pareto front")
         fig.tight_layout()
@@ -106,7 +201,47 @@ def write_plots(frame: pd.DataFrame, out: Path, objectives: list[tuple[str, str]
     return written
 
 
-def best_rows(frame: pd.DataFrame, objectives: list[tuple[str, str]]) -> pd.DataFrame:
+def write_optuna_plots(study, out: Path, objectives: list[tuple[str, str]]) -> tuple[list[Path], list[str]]:
+    """Optuna's own parameter importances and parallel coordinates (matplotlib, headless), per the
+    first objective. Returns (files written, one-line reasons for plots that could not be drawn)."""
+    import warnings
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from optuna.visualization import matplotlib as optuna_plots
+
+    out.mkdir(parents=True, exist_ok=True)
+    name = objectives[0][0]
+    kwargs = {"target": lambda t: t.values[0], "target_name": name} if len(objectives) > 1 else {"target_name": name}
+    written, skipped = [], []
+    for kind, draw in (("param_importances", optuna_plots.plot_param_importances),
+                       ("parallel_coordinate", optuna_plots.plot_parallel_coordinate)):
+        path = out / f"optuna_{kind}.png"
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
+                ax = draw(study, **kwargs)
+            figure = (ax.flat[0] if hasattr(ax, "flat") else ax).figure
+            figure.set_size_inches(9, 5)
+            figure.tight_layout(rect=(0, 0, 1, 0.92))  # room for the title above Optuna's legend
+            figure.savefig(path, dpi=90)
+            plt.close(figure)
+            written.append(path)
+        except Exception as exc:  # too few trials, a single value per parameter: say so and go on
+            skipped.append(f"optuna {kind}: not drawn ({type(exc).__name__}: {str(exc).splitlines()[0]})")
+    return written, skipped
+
+
+def best_rows(frame: pd.DataFrame, objectives: list[tuple[str, str]],
+              remeasured: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The best trial (one objective) or the Pareto front (two). With a final re-measurement, one
+    objective's best is the re-measured winner (its re-measured values), not the luckiest sample."""
+    if remeasured is not None and not remeasured.empty and len(objectives) == 1:
+        name, direction = objectives[0]
+        if name in remeasured and remeasured[name].notna().any():
+            return remeasured.sort_values(name, ascending=direction == "minimize").head(1)
     ok = frame[frame["status"] == "ok"] if "status" in frame else frame
     if ok.empty:
         return ok
@@ -137,10 +272,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"orchestrator.report: no finished trials of study '{study_name}' yet", file=sys.stderr)
         return 1
     objectives = [(o.metric, o.direction) for o in config.objectives]
-    out = args.out or Path("reports") / study_name
+    out = args.out or report_dir(study_name)
     out.mkdir(parents=True, exist_ok=True)
     frame.to_csv(out / "trials.csv", index=False)
+    remeasured = remeasured_from_mlflow(config.mlflow.tracking_uri, config.mlflow.experiment, study_name)
+    if not remeasured.empty:
+        remeasured.to_csv(out / "remeasured.csv", index=False)
     written = write_plots(frame, out, objectives)
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    more, skipped = write_optuna_plots(optuna.load_study(study_name=study_name, storage=config.storage), out, objectives)
+    written += more
 
     console = Console()
     if not console.is_terminal:
@@ -152,14 +295,50 @@ def main(argv: list[str] | None = None) -> int:
     for _, row in frame.iterrows():
         table.add_row(*[_cell(row.get(c)) for c in columns])
     console.print(table)
-    best = best_rows(frame, objectives)
+    if not remeasured.empty:
+        again = Table(title=f"final re-measurement: {int(remeasured['passes'].max())} passes, each AR then the setting")
+        columns = ["trial", *[c for c in PARAM_COLUMNS if c in remeasured], *REMEASURED_COLUMNS]
+        for column in columns:
+            again.add_column(column, justify="right")
+        for _, row in remeasured.iterrows():
+            again.add_row(*[_cell(row.get(c)) for c in columns])
+        console.print(again)
+    console.print(BASELINE_TEXT, highlight=False)
+    device = config.workers.device if config.workers.device != "auto" else (
+        "cuda" if config.workers.gpus_per_worker > 0 else "cpu")
+    if device == "cpu":
+        console.print(CPU_TEXT, highlight=False)
+    best = best_rows(frame, objectives, remeasured)
+    used_final = not remeasured.empty and len(objectives) == 1 and not best.empty and "passes" in best
     label = "best" if len(objectives) == 1 else "Pareto front"
+    if used_final:
+        label = f"best (re-measured, {int(best.iloc[0]['passes'])} passes interleaved with AR)"
     for _, row in best.iterrows():
-        params = {c: (None if pd.isna(row[c]) else int(row[c])) for c in PARAM_COLUMNS if c in frame}
-        values = {name: row[name] for name, _ in objectives}
-        console.print(f"{label}: trial {int(row['trial'])} {params} -> {values}")
+        params = {c: (None if pd.isna(row[c]) else int(row[c])) for c in PARAM_COLUMNS if c in best}
+        values = {name: _cell(row[name]) for name, _ in objectives}
+        console.print(f"{label}: trial {int(row['trial'])} {params} -> {values}", highlight=False)
+        if used_final:
+            searched = frame[frame["trial"] == row["trial"]]
+            if not searched.empty:
+                name = objectives[0][0]
+                console.print(f"  in the search it measured {name} {_cell(searched.iloc[0][name])} (in the search); "
+                              f"re-measured range {_cell(row['tokens_per_s_min'])}..{_cell(row['tokens_per_s_max'])} "
+                              f"tokens/s, speedup {_cell(row['speedup'])} against AR at "
+                              f"{_cell(row['baseline_tokens_per_s'])} tokens/s", highlight=False)
+    for line in skipped:
+        console.print(line, highlight=False)
     console.print(f"wrote {out / 'trials.csv'} and {len(written)} plots to {out}")
     return 0
+
+
+def report_dir(study_name: str) -> Path:
+    """Where ``python -m orchestrator.report`` writes (relative to the cwd)."""
+    return Path("reports") / study_name
+
+
+def notebook_figures_dir(root: Path, study_name: str) -> Path:
+    """Where the analysis notebook writes its figures: beside the notebook, never the report's folder."""
+    return root / "notebooks" / "figures" / study_name
 
 
 def resolve_study_name(config) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from workers.errors import BadInputError
 
 FINGERPRINT_ATTR = "sweep_fingerprint"
 RETRY_ATTR = "retry_of"
+RUN_ID_ATTR, RUN_URL_ATTR = "mlflow_run_id", "mlflow_run_url"  # each trial's link to its MLflow run
 OOM_CONSTRAINT = "oom"
 # Objective values an OOM trial gets: the worst a maximised metric can be, a huge minimised one
 # (peak memory is the real peak). Together with a violated constraint the sampler steers away.
@@ -115,6 +117,10 @@ def open_study(config: SweepConfig, storage, new_study: bool = False) -> StudyHa
         study.set_user_attr("sweep_definition", config.defining_summary())
     else:
         study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
+    if study.metric_names is None:  # optuna-dashboard and plots then say tokens_per_s, not "Objective 0"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study.set_metric_names([objective.metric for objective in config.objectives])
     if config.sampler.type == "grid":
         enqueue_grid(study, config)
     return StudyHandle(study, name, create)
@@ -151,6 +157,61 @@ def fail_and_requeue(study: optuna.Study, trial_number: int, params: dict[str, A
     """A trial interrupted by a crash or Ctrl-C: FAIL it and queue the same point to run again."""
     study.tell(trial_number, state=TrialState.FAIL, skip_if_finished=True)
     study.enqueue_trial(params, user_attrs={RETRY_ATTR: trial_number})
+
+
+def link_run(study: optuna.Study, trial_number: int, run_id: str, url: str | None) -> None:
+    """Record the trial's MLflow run (the latest attempt's) as user attributes, while it is RUNNING."""
+    trial_id = study._storage.get_trial_id_from_study_id_trial_number(study._study_id, trial_number)
+    study._storage.set_trial_user_attr(trial_id, RUN_ID_ATTR, run_id)
+    if url:
+        study._storage.set_trial_user_attr(trial_id, RUN_URL_ATTR, url)
+
+
+def top_trials(study: optuna.Study, config: SweepConfig, k: int) -> list[FrozenTrial]:
+    """Up to ``k`` feasible COMPLETE trials with distinct settings, best first by the first objective
+    (two objectives: the Pareto front first). The candidates the final re-measurement checks."""
+    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if feasible(t)]
+    sign = 1 if config.objectives[0].direction == "maximize" else -1
+    ranked = sorted(done, key=lambda t: (-sign * t.values[0], t.number))
+    if len(config.objectives) > 1:
+        front = {t.number for t in study.best_trials}
+        ranked = [t for t in ranked if t.number in front] + [t for t in ranked if t.number not in front]
+    picked, seen = [], set()
+    for trial in ranked:
+        key = tuple(sorted(trial.params.items(), key=lambda item: item[0]))
+        if key not in seen:
+            seen.add(key)
+            picked.append(trial)
+    return picked[:k]
+
+
+def trial_counts(study: optuna.Study) -> dict[str, int]:
+    """complete / failed / killed / infeasible / running, for the progress display.
+
+    killed: FAIL trials that were interrupted (Ctrl-C, a crash, a dead actor) and queued again,
+    i.e. some later trial is their retry; failed: every other FAIL (an error inside the trial);
+    infeasible: COMPLETE trials that violate a constraint (out of memory included).
+    """
+    trials = study.get_trials(deepcopy=False)
+    retried = {t.user_attrs.get(RETRY_ATTR) for t in trials}
+    counts = {"complete": 0, "failed": 0, "killed": 0, "infeasible": 0, "running": 0}
+    for trial in trials:
+        if trial.state == TrialState.COMPLETE:
+            counts["complete"] += 1
+            counts["infeasible"] += 0 if feasible(trial) else 1
+        elif trial.state == TrialState.FAIL:
+            counts["killed" if trial.number in retried else "failed"] += 1
+        elif trial.state == TrialState.RUNNING:
+            counts["running"] += 1
+    return counts
+
+
+def median_trial_seconds(study: optuna.Study) -> float | None:
+    """Median wall time of COMPLETE trials (start to finish), the basis of the time-left estimate."""
+    spans = sorted((t.datetime_complete - t.datetime_start).total_seconds()
+                   for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                   if t.datetime_start and t.datetime_complete)
+    return spans[len(spans) // 2] if spans else None
 
 
 def suggest(trial: Trial, config: SweepConfig) -> dict[str, Any]:

@@ -4,6 +4,18 @@ Everything goes through ``MlflowClient`` with explicit run ids (no global active
 driver is the only writer. Runs are found again on resume by tags: the parent by ``sweep_study``,
 children by ``sweep_study`` + ``optuna_trial``. Artifacts go next to a SQLite store (never into a
 cwd-relative ``mlruns``).
+
+What lands where (so the runs table can filter and compare):
+  * experiment: tag ``mlflow.experimentKind = custom_model_development`` (MLflow 3 opens untagged
+    experiments in its GenAI view, which has no runs table);
+  * parent run: params = the resolved sweep (method, models, prompts, generation, sampler, ...) and
+    the environment (``env.*``: package versions, git commit, devices); metrics = the named winner
+    (``best_*``, re-measured when the sweep re-measured its top settings) and the search's best
+    trial as it was measured once (``search_best_*``);
+  * child run per trial: params = what identifies the trial (number, method, every method
+    parameter, repeats, ...); metrics = the trial's results, the memory trace as step metrics, the
+    acceptance histogram as a step metric plus scalar columns;
+  * child run per re-measured setting (role ``remeasure``): medians over the interleaved passes.
 """
 
 from __future__ import annotations
@@ -19,16 +31,23 @@ from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.tracking import MlflowClient
 
 from workers.errors import BadInputError
-from workers.memory import MemoryTrace
+from workers.memory import KIND_RSS, MemoryTrace
+from workers.metrics import acceptance_columns
 
 if TYPE_CHECKING:
     from workers.worker import TrialResult
 
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"  # read by the MLflow 3 UI to pick the experiment's view
+MODEL_DEVELOPMENT = "custom_model_development"
 STUDY_TAG = "sweep_study"
 FINGERPRINT_TAG = "sweep_fingerprint"
 TRIAL_TAG = "optuna_trial"
 STATUS_TAG = "trial_status"
 ROLE_TAG = "sweep_role"
+MEMORY_KIND_TAG = "memory_kind"
+ROUND_TAG = "final_round"  # on the parent and on each re-measurement run: which re-measurement is current
+# One step metric per committed length (step = length, value = rounds): the chart is the histogram.
+ACCEPTANCE_STEP_METRIC = "acceptance_rounds_by_length"
 BATCH = 1000  # MLflow's log_batch cap on metrics per call
 
 
@@ -67,21 +86,37 @@ class Tracker:
     def _experiment(self, name: str) -> str:
         found = self.client.get_experiment_by_name(name)
         if found is not None:
+            if EXPERIMENT_KIND_TAG not in found.tags:  # made before this tag was set, or by hand
+                self.client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, MODEL_DEVELOPMENT)
             return found.experiment_id
         location = None
         if self.tracking_uri.startswith("sqlite:///"):  # artifacts beside the database, absolute
             location = (Path(self.tracking_uri.removeprefix("sqlite:///")).parent / "mlartifacts").as_uri()
-        return self.client.create_experiment(name, artifact_location=location)
+        return self.client.create_experiment(name, artifact_location=location,
+                                             tags={EXPERIMENT_KIND_TAG: MODEL_DEVELOPMENT})
+
+    def run_url(self, run_id: str) -> str | None:
+        """The run's page in the MLflow UI when the tracking URI is a server (None for a local store)."""
+        if not self.tracking_uri.startswith(("http://", "https://")):
+            return None
+        return f"{self.tracking_uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{run_id}"
 
     # -- parent --------------------------------------------------------------------------------------
-    def parent_run(self, study_name: str, fingerprint: str, config_path: Path, resolved: dict[str, Any]) -> str:
-        """Reuse the study's parent run (RUNNING again) or create it with the config as an artifact."""
+    def parent_run(self, study_name: str, fingerprint: str, config_path: Path, resolved: dict[str, Any],
+                   params: dict[str, Any] | None = None) -> str:
+        """Reuse the study's parent run (RUNNING again) or create it with the config as an artifact.
+
+        ``params`` (the resolved sweep and the environment) are logged on a new run; on a resumed one,
+        keys it lacks are added and a value that changed (a package upgrade, a new commit) goes in a
+        ``resumed.<key>`` tag, since MLflow refuses to re-log a param with another value.
+        """
         runs = self.client.search_runs(
             [self.experiment_id], f"tags.{STUDY_TAG} = '{study_name}' and tags.{ROLE_TAG} = 'parent'", max_results=1
         )
         if runs:
             run_id = runs[0].info.run_id
             self.client.update_run(run_id, status="RUNNING")
+            self._reconcile_params(run_id, runs[0].data.params, params or {})
             return run_id
         run = self.client.create_run(
             self.experiment_id,
@@ -89,18 +124,42 @@ class Tracker:
             tags={STUDY_TAG: study_name, FINGERPRINT_TAG: fingerprint, ROLE_TAG: "parent"},
         )
         run_id = run.info.run_id
+        self._log_params(run_id, params or {})
         self.client.log_artifact(run_id, str(config_path), artifact_path="config")
         self.client.log_dict(run_id, resolved, "config/resolved.json")
         return run_id
 
-    def finish_parent(self, run_id: str, status: str, summary: dict[str, Any]) -> None:
-        best = summary.get("best_params") or {}  # tags, not params: a resumed sweep may find a better one
+    def _log_params(self, run_id: str, params: dict[str, Any]) -> None:
+        items = [Param(k, _param_text(v)) for k, v in params.items()]
+        for start in range(0, len(items), 100):  # log_batch takes at most 100 params per call
+            self.client.log_batch(run_id, params=items[start : start + 100])
+
+    def _reconcile_params(self, run_id: str, logged: dict[str, str], params: dict[str, Any]) -> None:
+        new = {k: v for k, v in params.items() if k not in logged}
+        changed = [RunTag(f"resumed.{k}", _param_text(v)) for k, v in params.items()
+                   if k in logged and logged[k] != _param_text(v)]
+        self._log_params(run_id, new)
+        if changed:
+            self.client.log_batch(run_id, tags=changed)
+
+    def set_parent_tags(self, run_id: str, tags: dict[str, Any]) -> None:
+        self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def finish_parent(self, run_id: str, status: str, summary: dict[str, Any],
+                      best_metrics: dict[str, float] | None = None) -> None:
+        """Best setting as tags (a resumed sweep may find a better one, so not params), best values as metrics."""
+        best = summary.get("best_params") or {}
         self.client.log_batch(run_id, tags=[RunTag(f"best.{k}", str(v)) for k, v in best.items()])
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, float(v), now, 0) for k, v in (best_metrics or {}).items() if _number(v)]
+        for start in range(0, len(metrics), BATCH):
+            self.client.log_batch(run_id, metrics=metrics[start : start + BATCH])
         self.client.log_dict(run_id, summary, "summary.json")
         self.client.set_terminated(run_id, status)
 
     # -- children ------------------------------------------------------------------------------------
     def start_child(self, parent_id: str, study_name: str, trial_number: int, params: dict[str, Any], attempt: int) -> str:
+        """A RUNNING run for one attempt at a trial; ``params`` is what identifies the trial."""
         run = self.client.create_run(
             self.experiment_id,
             run_name=f"trial-{trial_number}",
@@ -113,8 +172,39 @@ class Tracker:
                 "attempt": str(attempt),
             },
         )
-        self.client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in params.items()])
+        self._log_params(run.info.run_id, params)
         return run.info.run_id
+
+    def trial_metrics(self, study_name: str, trial_number: int) -> dict[str, float]:
+        """The metrics of a trial's FINISHED run ({} when it has none)."""
+        runs = self.client.search_runs(
+            [self.experiment_id],
+            f"tags.{STUDY_TAG} = '{study_name}' and tags.{ROLE_TAG} = 'trial' and tags.{TRIAL_TAG} = '{trial_number}'"
+            " and attributes.status = 'FINISHED'",
+            max_results=1,
+        )
+        return dict(runs[0].data.metrics) if runs else {}
+
+    def log_remeasure(self, parent_id: str, study_name: str, trial_number: int, params: dict[str, Any],
+                      metrics: dict[str, float], round_id: int) -> str:
+        """A FINISHED run for one setting's final re-measurement (role ``remeasure``, under the parent)."""
+        run = self.client.create_run(
+            self.experiment_id,
+            run_name=f"remeasure-trial-{trial_number}",
+            tags={
+                "mlflow.parentRunId": parent_id,
+                STUDY_TAG: study_name,
+                TRIAL_TAG: str(trial_number),
+                ROLE_TAG: "remeasure",
+                ROUND_TAG: str(round_id),
+            },
+        )
+        run_id = run.info.run_id
+        self._log_params(run_id, params)
+        now = int(time.time() * 1000)
+        self.client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items() if _number(v)])
+        self.client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
+        return run_id
 
     def children(self, study_name: str, status: str | None = None) -> list:
         query = f"tags.{STUDY_TAG} = '{study_name}' and tags.{ROLE_TAG} = 'trial'"
@@ -139,9 +229,12 @@ class Tracker:
         entries = [Metric(k, float(v), now, 0) for k, v in metrics.items()]
         trace = result.memory_trace
         entries += _trace_metrics(trace, started_ms)
-        for length, count in result.acceptance_histogram.items():
-            entries.append(Metric("acceptance_hist", float(count), now, int(length)))
-        tags = [RunTag(STATUS_TAG, result.status.value)]
+        histogram = {int(length): int(count) for length, count in result.acceptance_histogram.items()}
+        for length, count in histogram.items():  # the chart: rounds against committed length
+            entries.append(Metric(ACCEPTANCE_STEP_METRIC, float(count), now, length))
+        # The table shows a step metric's last value only, so the histogram also gets scalar columns.
+        entries += [Metric(k, float(v), now, 0) for k, v in acceptance_columns(histogram).items()]
+        tags = [RunTag(STATUS_TAG, result.status.value), RunTag(MEMORY_KIND_TAG, trace.kind)]
         for start in range(0, max(len(entries), 1), BATCH):
             self.client.log_batch(run_id, metrics=entries[start : start + BATCH], tags=tags if start == 0 else [])
         with tempfile.TemporaryDirectory() as tmp:
@@ -155,14 +248,27 @@ class Tracker:
         self.client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
 
 
+def _param_text(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, default=str) if isinstance(value, (dict, list, tuple)) else str(value)
+    return text[:6000]  # MLflow's limit on a param value
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
 def _trace_metrics(trace: MemoryTrace, started_ms: int) -> list[Metric]:
-    """One step metric per sample and device: gpu{d}_allocated_gib, gpu{d}_reserved_gib, gpu{d}_nvml_used_gib."""
+    """One step metric per sample and device: gpu{d}_allocated_gib, gpu{d}_reserved_gib, gpu{d}_nvml_used_gib;
+    on a CPU actor (trace kind process_rss) one: cpu_rss_gib."""
     entries = []
     steps: dict[int, int] = {}
     for sample in trace.samples:
         step = steps.get(sample.device, 0)
         steps[sample.device] = step + 1
         stamp = started_ms + int(sample.t_s * 1000)
+        if trace.kind == KIND_RSS:
+            entries.append(Metric("cpu_rss_gib", sample.reserved_bytes / 2**30, stamp, step))
+            continue
         entries.append(Metric(f"gpu{sample.device}_allocated_gib", sample.allocated_bytes / 2**30, stamp, step))
         entries.append(Metric(f"gpu{sample.device}_reserved_gib", sample.reserved_bytes / 2**30, stamp, step))
         if sample.nvml_used_bytes is not None:
@@ -187,7 +293,10 @@ def _plot_trace(trace: MemoryTrace, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    for device in trace.devices:
+    if trace.kind == KIND_RSS:
+        ax.plot([s.t_s for s in trace.samples], [s.reserved_bytes / 2**30 for s in trace.samples], label="process RSS")
+        ax.set_title("process memory (resident set size) during the trial")
+    for device in trace.devices if trace.kind != KIND_RSS else ():
         points = [s for s in trace.samples if s.device == device]
         ax.plot([s.t_s for s in points], [s.reserved_bytes / 2**30 for s in points], label=f"gpu{device} reserved")
         ax.plot([s.t_s for s in points], [s.allocated_bytes / 2**30 for s in points], "--", label=f"gpu{device} allocated")
@@ -195,9 +304,86 @@ def _plot_trace(trace: MemoryTrace, path: Path) -> None:
         ax.text(0.5, 0.5, trace.note or "no GPU samples", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("seconds into the trial")
     ax.set_ylabel("GiB")
-    ax.set_title("GPU memory during the trial")
+    if trace.kind != KIND_RSS:
+        ax.set_title("GPU memory during the trial (CUDA caching allocator)")
     if trace.devices:
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def sweep_params(config) -> dict[str, Any]:
+    """The resolved sweep as flat parent-run params (filterable in the runs table).
+
+    ``n_trials`` is left out on purpose: extending a finished study is a normal resume, and a param
+    cannot change value; it is a tag instead (``n_trials``), set by the driver.
+    """
+    prompts, gen, workers = config.prompts, config.generation, config.workers
+    device = workers.device if workers.device != "auto" else ("cuda" if workers.gpus_per_worker > 0 else "cpu")
+    return {
+        "method": config.method,
+        "target": config.target.model,
+        "dtype": config.target.dtype,
+        "attn_implementation": config.target.attn_implementation,
+        "drafter": config.drafter.model if config.drafter else None,
+        "prompts_path": prompts.path,
+        "prompts_dataset": prompts.dataset,
+        "prompts_split": prompts.split,
+        "prompts_limit": prompts.limit,
+        "prompts_seed": prompts.seed,
+        "max_new_tokens": prompts.max_new_tokens,
+        "chat_template": prompts.chat_template,
+        "enable_thinking": prompts.enable_thinking,
+        "temperature": gen.temperature,
+        "generation_seed": gen.seed,
+        "stop_token_ids": gen.stop_token_ids,
+        "device": device,
+        "workers": workers.count,
+        "gpus_per_worker": workers.gpus_per_worker,
+        "max_memory_per_gpu": workers.max_memory_per_gpu,
+        "cuda_graphs": workers.cuda_graphs,
+        "sampler": config.sampler.type,
+        "sampler_seed": config.sampler.seed,
+        "objectives": [f"{o.direction} {o.metric}" for o in config.objectives],
+        "constraints": {k: v.model_dump(exclude_none=True) for k, v in config.constraints.items()},
+        "search_space": {k: v.model_dump() for k, v in sorted(config.search_space.items())},
+        "fixed_params": dict(sorted(config.fixed_params.items())),
+        "repeats": config.measurement.repeats,
+        "final_top_k": config.measurement.final_top_k,
+        "final_repeats": config.measurement.final_repeats,
+        "storage": _safe_url(config.storage),
+    }
+
+
+def environment_params(actor_infos: list[dict[str, Any]]) -> dict[str, Any]:
+    """``env.*`` params: package versions, the project's git commit, and the actors' devices and hosts."""
+    import platform
+    import subprocess
+    from importlib import metadata
+
+    env: dict[str, Any] = {"env.python": platform.python_version()}
+    for package in ("torch", "transformers", "ray", "optuna", "mlflow", "pydantic", "safetensors"):
+        try:
+            env[f"env.{package}"] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            env[f"env.{package}"] = "not installed"
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        env["env.git_commit"] = commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):  # not a checkout (an installed wheel): say so
+        env["env.git_commit"] = "unknown"
+    devices = sorted({name for info in actor_infos for name in info.get("devices") or []})
+    env["env.devices"] = ", ".join(devices) or "unknown"
+    env["env.hosts"] = ", ".join(sorted({str(info.get("host")) for info in actor_infos if info.get("host")})) or "unknown"
+    return env
+
+
+def _safe_url(url: str) -> str:
+    from orchestrator.study import _hide_password
+
+    return url if url.startswith("sqlite:") else _hide_password(url)

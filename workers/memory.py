@@ -1,14 +1,18 @@
-"""GPU-memory tracer wrapped around each trial inside a generation worker.
+"""Memory tracer wrapped around each trial inside a generation worker.
 
 A daemon thread samples allocator (and optionally NVML) memory every `interval_ms`, because a Ray
 actor runs one method at a time and cannot poll memory itself while a trial runs. Peaks come from
 `torch.cuda.max_memory_*` read at stop, which also catches spikes that fall between two samples.
+Where there is no CUDA device the tracer samples the process's resident set size instead (kind
+``process_rss``, one pseudo-device 0), so CPU runs get a real trace and peak too; the kernel's
+high-water mark (VmHWM, reset at start through /proc/self/clear_refs) catches spikes between samples.
 Nothing here touches CUDA at import time, so importing it on a CPU-only driver is free.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -18,6 +22,9 @@ import torch
 
 GIB = float(1 << 30)
 NO_DEVICE_NOTE = "no CUDA device: nothing to sample"
+# What a trace measured: the CUDA caching allocator per GPU, or the whole process's resident memory.
+KIND_CUDA, KIND_RSS = "cuda", "process_rss"
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _PEAK_KEYS = ("peak_allocated_bytes", "peak_reserved_bytes", "peak_nvml_used_bytes")
 
 # device index -> (allocated_bytes, reserved_bytes, nvml_used_bytes or None)
@@ -42,6 +49,7 @@ class MemoryTrace:
     peak_reserved_bytes: dict[int, int] = field(default_factory=dict)
     peak_nvml_used_bytes: dict[int, int] = field(default_factory=dict)
     note: str = ""
+    kind: str = KIND_CUDA  # KIND_RSS: allocated_bytes and reserved_bytes both carry the process's RSS
 
     @property
     def peak_gib(self) -> float:
@@ -57,7 +65,7 @@ class MemoryTrace:
     def to_dict(self) -> dict[str, Any]:
         # Peak keys become strings here so that a JSON round trip gives back exactly this dict.
         data: dict[str, Any] = {"samples": self.to_rows(), "devices": list(self.devices)}
-        data.update(interval_ms=self.interval_ms, note=self.note)
+        data.update(interval_ms=self.interval_ms, note=self.note, kind=self.kind)
         for key in _PEAK_KEYS:
             data[key] = {str(d): int(v) for d, v in getattr(self, key).items()}
         return data
@@ -69,6 +77,7 @@ class MemoryTrace:
             devices=tuple(int(d) for d in data.get("devices", [])),
             interval_ms=float(data.get("interval_ms", 50.0)),
             note=str(data.get("note", "")),
+            kind=str(data.get("kind", KIND_CUDA)),
             **{k: {int(d): int(v) for d, v in data.get(k, {}).items()} for k in _PEAK_KEYS},
         )
 
@@ -78,6 +87,39 @@ def reset_and_empty_cache() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def process_rss_bytes() -> int:
+    """Resident set size of this process (what a CPU trial really holds in memory)."""
+    try:
+        with open("/proc/self/statm") as handle:  # Linux: pages; no extra dependency on the hot path
+            return int(handle.read().split()[1]) * _PAGE_BYTES
+    except OSError:
+        import psutil  # other systems
+
+        return int(psutil.Process().memory_info().rss)
+
+
+def _read_hwm_bytes() -> int | None:
+    """The kernel's peak RSS of this process since the last reset (Linux VmHWM), or None."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _reset_hwm() -> bool:
+    """Reset VmHWM to the current RSS so the peak covers this trial only (Linux; False elsewhere)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def _nvml_handle(pynvml: Any, device: int) -> Any:
@@ -100,7 +142,9 @@ class MemoryTracer:
     """`with MemoryTracer() as t: run_trial(); trace = t.trace` or `start()` ... `stop()`.
 
     `devices` defaults to every visible CUDA device. `reader` replaces the torch/NVML reader (for
-    tests); with it, CUDA is not needed and peaks come from the samples alone.
+    tests); with it, CUDA is not needed and peaks come from the samples alone. Without CUDA (and
+    without a reader) `rss=True` traces the process's resident memory as device 0; `rss=False`
+    leaves the trace empty with a note.
     """
 
     def __init__(
@@ -110,6 +154,7 @@ class MemoryTracer:
         use_nvml: bool = True,
         max_samples: int = 100_000,
         reader: Reader | None = None,
+        rss: bool = True,
     ) -> None:
         if not interval_ms > 0:  # also rejects NaN
             raise ValueError(f"interval_ms must be > 0, got {interval_ms!r}")
@@ -120,6 +165,9 @@ class MemoryTracer:
         self._use_nvml = use_nvml
         self._max_samples = max_samples
         self._reader = reader
+        self._rss = rss
+        self._kind = KIND_CUDA
+        self._hwm_reset = False
         self._devices: tuple[int, ...] = ()
         self._ticks: list[tuple[MemorySample, ...]] = []  # per tick, so decimation keeps devices together
         self._peaks: dict[str, dict[int, int]] = {k: {} for k in _PEAK_KEYS}  # running maxima
@@ -154,14 +202,18 @@ class MemoryTracer:
         visible = torch.cuda.is_available()
         req = self._requested_devices
         wanted = range(torch.cuda.device_count()) if req is None else req
-        # Without CUDA only an injected reader has anything to read.
+        # Without CUDA only an injected reader, or the process's RSS, has anything to read.
         self._devices = tuple(wanted) if visible or self._reader is not None else ()
+        if not self._devices and self._rss and self._reader is None:
+            self._kind, self._devices = KIND_RSS, (0,)
+            self._reader = self._rss_reader
+            self._hwm_reset = _reset_hwm()
         if not self._devices:
             self._notes.append(NO_DEVICE_NOTE)
             return self
         if len(self._devices) > self._max_samples:
             raise ValueError(f"max_samples={self._max_samples} is below one sample per device")
-        if self._reader is None:  # with an injected reader, torch.cuda is left alone
+        if self._kind == KIND_CUDA and self._reader is None:  # with an injected reader, torch.cuda is left alone
             for d in self._devices:  # peaks then cover this trial only
                 torch.cuda.reset_peak_memory_stats(d)
             if self._use_nvml:
@@ -187,6 +239,13 @@ class MemoryTracer:
                     self._raise_peak("peak_reserved_bytes", d, torch.cuda.max_memory_reserved(d))
             except Exception as e:  # noqa: BLE001 - e.g. a dead CUDA context; don't mask the trial's error
                 self._notes.append(f"allocator peaks unavailable: {type(e).__name__}: {e}")
+        if self._kind == KIND_RSS:
+            hwm = _read_hwm_bytes() if self._hwm_reset else None
+            if hwm is not None:  # the kernel's peak also covers spikes between two samples
+                self._raise_peak("peak_allocated_bytes", 0, hwm)
+                self._raise_peak("peak_reserved_bytes", 0, hwm)
+            else:
+                self._notes.append("peak RSS from the samples only (no resettable VmHWM here)")
         self._shutdown_nvml()
         if self._errors:
             self._notes.append(f"{self._errors} sampling error(s)")
@@ -195,6 +254,7 @@ class MemoryTracer:
             devices=self._devices,
             interval_ms=self._interval_s * 1000.0,
             note="; ".join(self._notes),
+            kind=self._kind,
             **{k: dict(v) for k, v in self._peaks.items()},
         )
         return self._trace
@@ -240,6 +300,11 @@ class MemoryTracer:
     def _raise_peak(self, kind: str, device: int, value: int) -> None:
         peaks = self._peaks[kind]
         peaks[device] = max(peaks.get(device, 0), int(value))
+
+    @staticmethod
+    def _rss_reader(device: int) -> tuple[int, int, int | None]:
+        rss = process_rss_bytes()
+        return rss, rss, None
 
     def _torch_reader(self, device: int) -> tuple[int, int, int | None]:
         nvml_used = None

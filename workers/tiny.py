@@ -8,6 +8,7 @@ are well separated: greedy ties, which would make float32 exactness tests flaky,
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,13 +110,16 @@ def write_tiny_pair(folder: Path, shape: TinyShape = TinyShape(), seed: int = 0)
 
 
 def distill_drafter(
-    target_dir: Path, drafter_dir: Path, steps: int = 300, sequences: int = 32, seed: int = 0
+    target_dir: Path, drafter_dir: Path, steps: int = 300, sequences: int = 32, seed: int = 0,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> None:
     """Train the tiny drafter briefly to predict the tiny target's own continuations, in place.
 
     A random drafter is accepted about 1/V of the time, which makes a demo sweep flat; a few hundred
     CPU steps of DFlash-style training (random anchors, block [token, MASK...], same-position labels,
     loss weight decaying with distance) lift tau well above 1 so tree settings matter.
+    ``progress(phase, done, total)`` is called after each sequence ("generating") and each step
+    ("training"), so a caller can show how far it is.
     """
     import torch.nn.functional as F
 
@@ -138,13 +142,15 @@ def distill_drafter(
             target.start(capacity=text.numel() + 1, max_verify=1)
             taps.append(target.prefill(text.unsqueeze(0)).taps)
         texts.append(text)
+        if progress is not None:
+            progress("generating", index + 1, sequences)
     target.close()
 
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     weights = torch.exp(-torch.arange(block - 1) / 7.0)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     drafter.train()
-    for _ in range(steps):
+    for step in range(steps):
         pick = int(torch.randint(len(texts), ()))
         text, tap = texts[pick], taps[pick]
         anchor = int(torch.randint(4, text.numel() - block, ()))
@@ -157,6 +163,8 @@ def distill_drafter(
         ((losses * weights).sum() / weights.sum()).backward()
         optimizer.step()
         optimizer.zero_grad()
+        if progress is not None:
+            progress("training", step + 1, steps)
     raw = json.loads((drafter_dir / "config.json").read_text())
     save_drafter(drafter.eval(), drafter_dir, raw)
 
@@ -186,14 +194,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folder", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--distill-steps", type=int, default=600, help="drafter training steps (0: random drafter)")
+    parser.add_argument("--distill-sequences", type=int, default=32, help="target continuations the drafter learns from")
     parser.add_argument("--arch", choices=ARCHES, default="qwen3", help="target architecture (hybrids: qwen3_5, qwen3_next)")
     args = parser.parse_args(argv)
     target_dir, drafter_dir = write_tiny_pair(args.folder, TinyShape(arch=args.arch), seed=args.seed)
     if args.distill_steps:
-        distill_drafter(target_dir, drafter_dir, steps=args.distill_steps, seed=args.seed)
+        _distill_with_progress(target_dir, drafter_dir, args.distill_steps, args.distill_sequences, args.seed)
     write_prompts(args.folder / "prompts.jsonl")
     print(f"wrote {target_dir}, {drafter_dir} and {args.folder / 'prompts.jsonl'}")
     return 0
+
+
+def _distill_with_progress(target_dir: Path, drafter_dir: Path, steps: int, sequences: int, seed: int) -> None:
+    """distill_drafter under a rich progress bar on stderr (the first `make demo` spends minutes here)."""
+    import sys
+
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    console = Console(file=sys.stderr)
+    console.print(f"training the tiny drafter on the tiny target's own text ({steps} steps on CPU) ...", highlight=False)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("left"), TimeRemainingColumn())
+    with Progress(*columns, console=console) as bar:
+        tasks: dict[str, int] = {}
+
+        def update(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(f"{phase} ", total=total)
+            bar.update(tasks[phase], completed=done)
+
+        distill_drafter(target_dir, drafter_dir, steps=steps, sequences=sequences, seed=seed, progress=update)
 
 
 if __name__ == "__main__":

@@ -32,8 +32,8 @@ from workers.decoding.generation import (
 from workers.decoding.knobs import ARParams, MethodParams
 from workers.decoding.methods import METHODS, Method, method_of
 from workers.errors import BadInputError
-from workers.memory import MemoryTrace, MemoryTracer, reset_and_empty_cache
-from workers.metrics import acceptance_histogram, per_category, summarize
+from workers.memory import KIND_CUDA, MemoryTrace, MemoryTracer, reset_and_empty_cache
+from workers.metrics import acceptance_histogram, median_run, per_category, summarize
 from workers.models.drafter import DFlashDrafter, DrafterSpec
 from workers.models.loading import (
     ModelSource,
@@ -87,6 +87,7 @@ class TrialSpec:
     stage_timing: bool = False
     warmup: bool = True
     baseline: bool = True  # also measure (once, cached) AR on the same prompts: speedup, lossless_match
+    repeats: int = 1  # each prompt generated this many times; the run with its median decode time counts
     fault: str | None = None  # "oom" | "error" | "crash": fault injection for tests (crash kills the process)
 
     @property
@@ -201,9 +202,10 @@ class Worker:
         if status is TrialStatus.OOM:
             reset_and_empty_cache()  # outside the except block: the traceback no longer pins tensors
         trace = tracer.trace
-        metrics["peak_memory_gib"] = trace.peak_gib
-        for device, gib in trace.peak_gib_per_device().items():
-            metrics[f"peak_memory_gib_dev{device}"] = gib
+        metrics["peak_memory_gib"] = trace.peak_gib  # CUDA reserved, or the process's RSS on CPU (trace.kind)
+        if trace.kind == KIND_CUDA:
+            for device, gib in trace.peak_gib_per_device().items():
+                metrics[f"peak_memory_gib_dev{device}"] = gib
         return TrialResult(
             status=status,
             method=spec.method,
@@ -239,11 +241,15 @@ class Worker:
             warm = GenerationConfig(min(WARMUP_TOKENS, gen.max_new_tokens), gen.temperature, (), gen.seed)
             entry.generate(self.target, drafter, prompts[0], warm, spec.params, draft_graphs=graphs)
         outputs, state_bytes = [], 0
+        def measure(prompt_ids: torch.Tensor, prompt_gen: GenerationConfig) -> GenerationOutput:
+            timer = StageTimer(device_sync(self.target.device)) if spec.stage_timing else NULL_TIMER  # one per run
+            return entry.generate(self.target, drafter, prompt_ids, prompt_gen, spec.params, timer=timer,
+                                  draft_graphs=graphs)
+
         for index, prompt_ids in enumerate(prompts):
-            timer = StageTimer(device_sync(self.target.device)) if spec.stage_timing else NULL_TIMER
             prompt_gen = GenerationConfig(gen.max_new_tokens, gen.temperature, gen.stop_token_ids, gen.seed + index)
-            outputs.append(entry.generate(self.target, drafter, prompt_ids, prompt_gen, spec.params, timer=timer,
-                                          draft_graphs=graphs))
+            # Repeats give the same tokens (same seed); only the times differ, and the median one counts.
+            outputs.append(median_run([measure(prompt_ids, prompt_gen) for _ in range(max(spec.repeats, 1))]))
             state_bytes = max(state_bytes, getattr(self.target, "peak_state_bytes", 0))
         self._state_bytes = state_bytes if getattr(self.target, "linear_ids", ()) else None
         return outputs
@@ -252,9 +258,10 @@ class Worker:
         """AR on the same prompts and settings, measured once per worker and reused."""
         key = hashlib.sha256(
             json.dumps([[p.tolist() for p in prompts], gen.max_new_tokens, gen.temperature, gen.stop_token_ids, gen.seed,
-                        spec.stage_timing]).encode()
+                        spec.stage_timing, spec.repeats]).encode()
         ).hexdigest()
         if key not in self._baselines:  # timed as the method is: with stage timing only if it has it
-            ar_spec = TrialSpec(ARParams(), spec.prompts, stage_timing=spec.stage_timing, warmup=spec.warmup)
+            ar_spec = TrialSpec(ARParams(), spec.prompts, stage_timing=spec.stage_timing, warmup=spec.warmup,
+                                repeats=spec.repeats)
             self._baselines[key] = self._generate_all(ar_spec, prompts, gen)
         return self._baselines[key]

@@ -290,6 +290,19 @@ CASES = [
     # unknown keys and names
     Case("unknown-top-level-key", put("bogus", value=1), ("bogus: unknown field",)),
     Case("unknown-nested-key", put("workers", "gpus", value=1), ("workers.gpus: unknown field",)),
+    # a misspelt required key is named as unknown, with the field it resembles (not "n_trials missing")
+    Case("misspelt-required-key", edit(lambda c, _: c.update(n_trails=c.pop("n_trials"))),
+         ("n_trails: unknown field (did you mean 'n_trials'?)",)),
+    Case("misspelt-nested-key", put("target", "dtyp", value="float32"),
+         ("target.dtyp: unknown field (did you mean 'dtype'?)",)),
+    Case("misspelt-search-space-key", put("search_space", "max_depth", value={"type": INT, "low": 1, "hihg": 7}),
+         ("search_space.max_depth.hihg: unknown field (did you mean 'high'?)",)),
+    Case("unknown-key-unlike-any", put("prompts", "zzz", value=1), ("prompts.zzz: unknown field (allowed here:",
+                                                                   "max_new_tokens")),
+    Case("target-given-as-drafter", edit(lambda c, _: c["drafter"].update(model=c["target"]["model"])),
+         ("drafter.model:", "is a target model (Qwen3ForCausalLM), not a DFlash drafter")),
+    Case("measurement-repeats-zero", put("measurement", value={"repeats": 0}),
+         ("measurement.repeats:", "greater than or equal to 1")),
     Case("unknown-objective-metric", put("objectives", value=[{"metric": "speed", "direction": "maximize"}]),
          ("objectives.0.metric:", "'speed'", "tokens_per_s")),
     Case("unknown-constraint-metric", put("constraints", value={"vram_gib": {"max": 40}}),
@@ -319,7 +332,9 @@ CASES = [
                                                       {"metric": "peak_memory_gib", "direction": "minimize"}]),
          ("objectives", "at most 2")),
     # the file itself
-    Case("yaml-syntax-error", raw("name: [unclosed\nmethod: ddtree\n"), ("not valid YAML",)),
+    Case("yaml-syntax-error", raw("name: [unclosed\nmethod: ddtree\n"), ("not valid YAML at line 2, column 7:",)),
+    Case("yaml-bad-indent", raw("name: x\n  method: ddtree\n"),
+         ("not valid YAML at line 2, column 9: mapping values are not allowed here",)),
     Case("top-level-list", raw("- name: x\n- method: ddtree\n"), ("must be a YAML mapping",)),
     Case("missing-prompts-file", put("prompts", "path", value="/nonexistent/prompts.jsonl"),
          ("prompts.path", "no such file", "/nonexistent/prompts.jsonl")),
@@ -392,6 +407,8 @@ CLI_CASES = [
     ("storage-sqlite-parent-is-a-file", "--dry-run"),
     ("tracking-http-closed-port", None),  # storage check passes first: still nothing may be created
     ("tracking-file-uri", "--dry-run"),
+    ("misspelt-required-key", "--dry-run"),
+    ("target-given-as-drafter", None),
 ]
 
 

@@ -69,7 +69,7 @@ def test_sweep_completes_and_logs_everything(tiny_dir, tmp_path):
     for metric in ("tokens_per_s", "tau", "speedup", "ttft_s", "tpot_s", "lossless_match", "peak_memory_gib"):
         assert metric in run.data.metrics, metric
     assert run.data.metrics["lossless_match"] == 1.0
-    assert set(run.data.params) == {"tree_budget", "max_depth", "branching"}
+    assert {"trial", "method", "tree_budget", "max_depth", "branching", "repeats"} <= set(run.data.params)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"memory_trace.csv", "memory_trace.png", "acceptance_histogram.json", "result.json"} <= artifacts
     parent = _parents(client)[0]

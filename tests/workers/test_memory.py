@@ -10,7 +10,16 @@ import time
 import pytest
 import torch
 
-from workers.memory import NO_DEVICE_NOTE, MemorySample, MemoryTrace, MemoryTracer, reset_and_empty_cache
+from workers.memory import (
+    KIND_CUDA,
+    KIND_RSS,
+    NO_DEVICE_NOTE,
+    MemorySample,
+    MemoryTrace,
+    MemoryTracer,
+    process_rss_bytes,
+    reset_and_empty_cache,
+)
 
 MiB = 1 << 20
 
@@ -43,8 +52,8 @@ def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
-def test_no_cuda_gives_empty_trace_with_note(no_cuda: None) -> None:
-    tracer = MemoryTracer(interval_ms=10)
+def test_no_cuda_without_rss_gives_empty_trace_with_note(no_cuda: None) -> None:
+    tracer = MemoryTracer(interval_ms=10, rss=False)
     tracer.start()
     trace = tracer.stop()
     assert trace.samples == () and trace.devices == ()
@@ -55,7 +64,7 @@ def test_no_cuda_gives_empty_trace_with_note(no_cuda: None) -> None:
 
 
 def test_no_cuda_context_manager_and_explicit_devices(no_cuda: None) -> None:
-    with MemoryTracer(devices=[0, 1]) as tracer:
+    with MemoryTracer(devices=[0, 1], rss=False) as tracer:
         with pytest.raises(RuntimeError, match="after stop"):
             _ = tracer.trace
     assert tracer.trace.samples == ()
@@ -63,11 +72,38 @@ def test_no_cuda_context_manager_and_explicit_devices(no_cuda: None) -> None:
 
 
 def test_context_manager_does_not_swallow_exceptions(no_cuda: None) -> None:
-    tracer = MemoryTracer()
+    tracer = MemoryTracer(rss=False)
     with pytest.raises(KeyError):
         with tracer:
             raise KeyError("trial failed")
     assert tracer.trace.note == NO_DEVICE_NOTE
+
+
+def test_no_cuda_traces_process_rss_and_its_peak(no_cuda: None) -> None:
+    """On CPU the trace is the process's resident memory: samples, a peak that sees a spike that
+    came and went between two samples (the kernel's reset high-water mark), and a JSON round trip."""
+    before = process_rss_bytes()
+    with MemoryTracer(interval_ms=1000) as tracer:  # one sample at start and one at stop
+        spike = bytearray(256 * MiB)  # zero-filled, so resident
+        del spike
+    trace = tracer.trace
+    assert trace.kind == KIND_RSS and trace.devices == (0,)
+    assert len(trace.samples) >= 2 and all(s.allocated_bytes == s.reserved_bytes > 0 for s in trace.samples)
+    assert abs(trace.samples[0].reserved_bytes - before) < 128 * MiB  # the sample is this process's RSS
+    sampled_max = max(s.reserved_bytes for s in trace.samples)
+    if "samples only" in trace.note:  # no resettable VmHWM (not Linux): peaks from the samples alone
+        assert trace.peak_reserved_bytes[0] == sampled_max
+    else:
+        assert trace.peak_reserved_bytes[0] >= before + 200 * MiB > sampled_max
+    assert trace.peak_gib == trace.peak_reserved_bytes[0] / (1 << 30)
+    assert MemoryTrace.from_dict(json.loads(json.dumps(trace.to_dict()))) == trace
+
+
+def test_cuda_kind_is_the_default_and_survives_old_dicts() -> None:
+    trace = run_for(MemoryTracer(interval_ms=10, devices=[0], reader=GrowingReader()), 0.02)
+    assert trace.kind == KIND_CUDA
+    old = {k: v for k, v in trace.to_dict().items() if k != "kind"}  # results written before the field
+    assert MemoryTrace.from_dict(old).kind == KIND_CUDA
 
 
 @pytest.mark.parametrize("bad", [0, -5.0, math.nan])

@@ -27,3 +27,23 @@ def test_tiny_cli_writes_models_and_distills_the_drafter(tmp_path, arch):
     assert before.keys() == after.keys()
     assert any(not (before[k] == after[k]).all() for k in before), "training changed nothing"
     assert (folder / "prompts.jsonl").read_text().count("\n") == 8
+
+
+def test_distillation_reports_progress(tmp_path):
+    """The first `make demo` spends minutes training the drafter: the CLI shows a bar for it, and
+    distill_drafter reports every sequence and step to its callback."""
+    folder = tmp_path / "pair"
+    proc = subprocess.run(
+        [sys.executable, "-m", "workers.tiny", str(folder), "--distill-steps", "3", "--distill-sequences", "2"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "training the tiny drafter" in proc.stderr and "3 steps" in proc.stderr
+    assert "generating" in proc.stderr and "2/2" in proc.stderr and "3/3" in proc.stderr
+
+    from workers.tiny import distill_drafter
+
+    calls: list[tuple[str, int, int]] = []
+    distill_drafter(folder / "target", folder / "drafter", steps=2, sequences=2,
+                    progress=lambda phase, done, total: calls.append((phase, done, total)))
+    assert calls == [("generating", 1, 2), ("generating", 2, 2), ("training", 1, 2), ("training", 2, 2)]

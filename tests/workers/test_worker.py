@@ -22,10 +22,11 @@ def _prompts(count: int = 3, seed: int = 0) -> tuple[Prompt, ...]:
     return tuple(Prompt(input_ids=tuple(torch.randint(1, 32, (9,), generator=generator).tolist())) for _ in range(count))
 
 
-def _spec(method: Method, fault: str | None = None, stage_timing: bool = False, **knobs) -> TrialSpec:
+def _spec(method: Method, fault: str | None = None, stage_timing: bool = False, repeats: int = 1,
+          **knobs) -> TrialSpec:
     params = METHODS[method].params.from_mapping(knobs)
     return TrialSpec(params=params, prompts=_prompts(), max_new_tokens=24, stop_token_ids=(), fault=fault,
-                     stage_timing=stage_timing)
+                     stage_timing=stage_timing, repeats=repeats)
 
 
 @pytest.mark.parametrize(
@@ -44,7 +45,11 @@ def test_trial_reports_the_design_metrics(worker, method, params):
     rounds = sum(result.acceptance_histogram.values())
     committed = sum(length * count for length, count in result.acceptance_histogram.items())
     assert m["tau"] == pytest.approx(committed / rounds)
-    assert result.memory_trace.note  # CPU: the tracer says it had nothing to sample
+    # CPU: the trace is the actor process's resident memory, and the peak is a real number.
+    assert result.memory_trace.kind == "process_rss" and len(result.memory_trace.samples) >= 2
+    assert m["peak_memory_gib"] > 0.01 and not any(k.startswith("peak_memory_gib_dev") for k in m)
+    assert m["tokens_per_s_median"] > 0 and m["tokens_per_s_iqr"] >= 0
+    assert m["baseline_tokens_per_s"] > 0 and m["baseline_tpot_s"] > 0
     if method is Method.AR:
         assert m["tau"] == 1.0 and set(result.acceptance_histogram) == {1}
     else:
@@ -101,3 +106,13 @@ def test_stop_tokens_default_to_the_target_eos(worker):
     spec = TrialSpec(METHODS[Method.AR].params(), prompts=_prompts(), max_new_tokens=8)
     prompts, gen = worker._prepare(spec)
     assert gen.stop_token_ids == (0,)  # tiny models declare eos_token_id 0
+
+
+def test_repeats_measure_each_prompt_again_and_keep_its_tokens(worker):
+    once = worker.run_trial(_spec(Method.DDTREE, tree_budget=8))
+    thrice = worker.run_trial(_spec(Method.DDTREE, tree_budget=8, repeats=3))
+    assert thrice.status == "ok", thrice.error
+    assert [o.token_ids for o in thrice.outputs] == [o.token_ids for o in once.outputs]
+    assert thrice.metrics["lossless_match"] == 1.0
+    # The AR baseline is measured with the same repeats, so it is cached under its own key.
+    assert len({key for key in worker._baselines}) >= 2

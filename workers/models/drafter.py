@@ -42,6 +42,21 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [int(round(first + i * (last - first) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
+def check_is_drafter(raw: Any, source: str) -> None:
+    """Refuse, by name, a target checkpoint given where a DFlash drafter is expected.
+
+    A drafter's config carries ``block_size`` and ``dflash_config``; a plain causal LM's config has
+    neither, and the field-by-field errors further on would only say that ``block_size`` is missing.
+    """
+    if not isinstance(raw, dict) or "block_size" in raw or "dflash_config" in raw:
+        return
+    kind = ", ".join(raw.get("architectures") or []) or raw.get("model_type") or "a model"
+    raise CheckpointMismatchError(
+        f"{source}: this is a target model ({kind}), not a DFlash drafter: its config has no block_size "
+        "or dflash_config (give the drafter's folder, e.g. a z-lab/<Target>-DFlash checkpoint)"
+    )
+
+
 @dataclass(frozen=True)
 class DrafterSpec:
     """The fields of a drafter config.json the engines depend on, validated."""
@@ -76,6 +91,7 @@ class DrafterSpec:
 
         if not isinstance(raw, dict):
             raise CheckpointMismatchError(f"{source}: the config must be a JSON object")
+        check_is_drafter(raw, source)
         dflash = raw.get("dflash_config") or {}
         if not isinstance(dflash, dict):
             raise CheckpointMismatchError(f"{source}: 'dflash_config' must be a mapping")

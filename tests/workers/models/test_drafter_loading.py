@@ -379,3 +379,13 @@ def test_forward_cache_overflow_raises(tiny):
         block, context = _inputs(tiny, 5)
         with pytest.raises(RuntimeError):
             drafter(block, context, drafter.new_cache(4))
+
+
+def test_target_checkpoint_given_as_drafter_is_named_as_a_target(tiny):
+    """The commonest mix-up: the target's folder where the drafter goes. One line saying so, not
+    'missing field block_size'."""
+    with pytest.raises(CheckpointMismatchError) as info:
+        load_drafter(str(tiny.target_dir), tiny.model)
+    message = str(info.value)
+    assert "is a target model (Qwen3ForCausalLM), not a DFlash drafter" in message
+    assert str(tiny.target_dir / "config.json") in message and len(message.splitlines()) == 1
