@@ -109,14 +109,40 @@ def load_target(
     return model.eval()
 
 
+# Files that hold a tokenizer's vocabulary. A folder with none of them is a model without a
+# tokenizer: transformers 5 would still return a stand-in (one token, eos id 0) for it, which turns
+# id 0 into a stop token and silently truncates every output.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model", "tiktoken.model")
+
+
+def has_tokenizer_files(name_or_path: str, local_files_only: bool = False) -> bool:
+    """True when the folder (or the hub repo, through the local cache or the hub) has a real vocabulary."""
+    folder = Path(name_or_path)
+    if folder.is_dir():
+        return any((folder / name).is_file() for name in TOKENIZER_FILES)
+    from transformers.utils import cached_file
+
+    for name in TOKENIZER_FILES:
+        try:
+            found = cached_file(name_or_path, name, local_files_only=local_files_only,
+                                _raise_exceptions_for_missing_entries=False,
+                                _raise_exceptions_for_connection_errors=False)
+        except Exception:  # gated or unknown repo: no tokenizer we can use
+            found = None
+        if found is not None:
+            return True
+    return False
+
+
 def load_tokenizer(name_or_path: str, local_files_only: bool = False):
-    """The target's tokenizer, or None for a model folder that ships none (prompts then give ids)."""
+    """The target's tokenizer, or None for a model that ships no tokenizer files (prompts then give
+    ids, and stop tokens come from the model's generation config alone)."""
     from transformers import AutoTokenizer
 
-    if name_or_path.startswith("random:"):
+    if name_or_path.startswith("random:") or not has_tokenizer_files(name_or_path, local_files_only):
         return None
-
     try:
         return AutoTokenizer.from_pretrained(name_or_path, local_files_only=local_files_only)
-    except Exception:  # no tokenizer files: callers fall back to {"input_ids": [...]} prompts
+    except Exception:  # unreadable tokenizer files: callers fall back to {"input_ids": [...]} prompts
         return None
