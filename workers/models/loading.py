@@ -146,3 +146,52 @@ def load_tokenizer(name_or_path: str, local_files_only: bool = False):
         return AutoTokenizer.from_pretrained(name_or_path, local_files_only=local_files_only)
     except Exception:  # unreadable tokenizer files: callers fall back to {"input_ids": [...]} prompts
         return None
+
+
+@dataclass(frozen=True)
+class TargetFacts:
+    """What prompts are checked against before anything starts: the embedding rows and positions."""
+
+    vocab_rows: int
+    max_positions: int | None
+    tokenizer: object | None
+
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json", "*.pt", "*.pth")
+
+
+def target_facts(name_or_path: str) -> TargetFacts | None:
+    """The target's vocabulary size, positions and tokenizer without loading its weights, checked as
+    the worker would check them (architecture supported, weight files present in a local folder).
+
+    None when the target is not on this machine (a hub id that is not in the local cache): the
+    worker checks it after loading. Never touches the network.
+    """
+    from transformers import AutoConfig
+
+    from workers.models.shapes import random_shape_name, target_config
+    from workers.seam import text_config
+
+    try:
+        shape = random_shape_name(name_or_path)
+    except KeyError as exc:
+        raise BadInputError(f"target {name_or_path}: {exc.args[0]}") from None
+    folder = Path(name_or_path)
+    if shape is not None:
+        config = target_config(shape)
+    else:
+        try:
+            config = AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+        except Exception as exc:
+            if not folder.exists():
+                return None  # a hub id not cached here: the worker fetches and checks it
+            raise BadInputError(f"{name_or_path}: cannot load the target config from this folder ({exc})") from exc
+        try:
+            check_supported(config)
+        except UnsupportedModelError as exc:
+            raise UnsupportedModelError(f"{name_or_path}: {exc}") from None
+        if folder.is_dir() and not any(any(folder.glob(p)) for p in WEIGHT_PATTERNS):
+            raise BadInputError(f"{name_or_path}: cannot load the target weights (no weight files in the folder)")
+    text = text_config(config)
+    tokenizer = None if shape is not None else load_tokenizer(name_or_path, local_files_only=True)
+    return TargetFacts(int(text.vocab_size), getattr(text, "max_position_embeddings", None), tokenizer)
