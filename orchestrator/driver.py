@@ -89,6 +89,9 @@ class Driver:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         logging.getLogger("mlflow").setLevel(logging.WARNING)
         logging.getLogger("alembic").setLevel(logging.WARNING)
+        # MLflow's database layer logs a failed write with its full traceback before raising it; the
+        # driver reports that failure itself, in one line (orchestrator.tracking.StoreError).
+        logging.getLogger("mlflow.store").setLevel(logging.CRITICAL)
         lock = self._lock()
         try:
             return self._run()

@@ -46,7 +46,9 @@ def test_two_drivers_at_the_same_instant_one_is_refused_and_schemas_do_not_race(
     store), one on another study in the same SQLite files (the schema is created once, in turn)."""
     runs = tmp_path / "runs"
     same = write_sweep(tmp_path / "same.yaml", sweep_dict(tiny_dir, runs, n_trials=2))
-    other = write_sweep(tmp_path / "other.yaml", sweep_dict(tiny_dir, runs, n_trials=2, name="other-sweep"))
+    other = write_sweep(tmp_path / "other.yaml", sweep_dict(  # the same two SQLite files, its own experiment
+        tiny_dir, runs, n_trials=2, name="other-sweep",
+        mlflow={"tracking_uri": f"sqlite:///{runs}/mlflow.db", "experiment": "other"}))
     procs = [start_sweep(same), start_sweep(same), start_sweep(other)]
     results = [(proc.returncode, err) for proc in procs for _, err in [proc.communicate(timeout=600)]]
     codes = sorted(code for code, _ in results[:2])
@@ -60,7 +62,9 @@ def test_two_drivers_at_the_same_instant_one_is_refused_and_schemas_do_not_race(
     client = MlflowClient(f"sqlite:///{runs}/mlflow.db")
     other_study = _study(runs, "other-sweep")
     assert len([t for t in other_study.trials if t.state == TrialState.COMPLETE]) == 2
-    assert len([r for r in _children(client, "other-sweep") if r.info.status == "FINISHED"]) == 2
+    experiment = client.get_experiment_by_name("other")
+    finished = client.search_runs([experiment.experiment_id], "tags.sweep_role = 'trial'")
+    assert len([r for r in finished if r.info.status == "FINISHED"]) == 2
 
 
 def test_a_killed_driver_leaves_no_lock_behind(tiny_dir, tmp_path):
@@ -214,13 +218,14 @@ def test_a_full_disk_mid_run_is_one_line_and_resume_loses_nothing(tiny_dir, tmp_
     while not _studies(runs) or len([t for t in _study(runs).trials if t.state == TrialState.COMPLETE]) < 1:
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.2)
-    with (runs / "filler").open("wb") as handle:  # fill the disk to the last byte
-        try:
-            while True:
-                handle.write(b"\0" * 65536)
-                handle.flush()
-        except OSError:
+    filler = os.open(runs / "filler", os.O_WRONLY | os.O_CREAT)  # fill the disk to the last byte
+    try:
+        while os.write(filler, b"\0" * 4096):
             pass
+    except OSError:
+        pass
+    finally:
+        os.close(filler)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, err[-3000:]
     [line] = _lines(err)
