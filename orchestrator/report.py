@@ -181,7 +181,7 @@ def resolve_study(config) -> tuple[str, str | None]:
     try:
         storage = read_only_storage(config.storage)
         if storage is None:
-            raise BadInputError(f"storage: {config.storage} does not exist yet (run the sweep first)")
+            raise BadInputError(f"storage: {config.storage} has no studies yet (run the sweep first)")
         summaries = optuna.get_all_study_summaries(storage, include_best_trial=False)
     except BadInputError:
         raise

@@ -115,12 +115,20 @@ def make_storage(url: str) -> optuna.storages.RDBStorage:
 
 
 def read_only_storage(url: str) -> optuna.storages.RDBStorage | None:
-    """The storage opened only to read (dry-run, report), or None when a SQLite file does not exist."""
+    """The storage opened only to read (dry-run, report), or None when it has no Optuna tables yet."""
+    import sqlalchemy
+
     if url.startswith("sqlite:///"):
         path = sqlite_path(url)
         if not path.is_file():
             return None
         url = f"sqlite:///file:{path}?mode=ro&uri=true"  # SQLite itself refuses every write
+    engine = sqlalchemy.create_engine(url)
+    try:
+        if not sqlalchemy.inspect(engine).has_table("studies"):  # a store no driver has made tables in yet
+            return None
+    finally:
+        engine.dispose()
     return optuna.storages.RDBStorage(url, skip_table_creation=True)
 
 

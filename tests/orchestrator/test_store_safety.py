@@ -298,3 +298,41 @@ def test_report_only_reads(tiny_dir, tmp_path):
                           capture_output=True, text=True, env=sweep_env(), cwd=ROOT, timeout=300)
     assert proc.returncode == 1 and "nothing to report" in proc.stderr, proc.stderr
     assert (empty / "mlflow.db").stat().st_size == 0
+
+
+def test_a_trial_closed_by_someone_else_is_left_as_they_left_it(tiny_dir, tmp_path):
+    """Someone (a dashboard, a script) fails a RUNNING trial and kills its run while the actor works
+    on it: the driver writes nothing more to either (no FINISHED run, no crash) and sweeps on."""
+    runs = tmp_path / "runs"
+    config = sweep_dict(tiny_dir, runs, n_trials=3)
+    config["prompts"]["max_new_tokens"] = 64  # trials long enough to be closed mid-flight
+    sweep = write_sweep(tmp_path / "sweep.yaml", config)
+    proc = start_sweep(sweep)
+    client = MlflowClient(f"sqlite:///{runs}/mlflow.db")
+    closed, deadline = None, time.time() + 300
+    while closed is None:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+        if not _studies(runs):
+            continue
+        study = _study(runs)
+        running = [t for t in study.trials if t.state == TrialState.RUNNING]
+        runs_now = {r.data.tags["optuna_trial"]: r for r in _children(client) if r.info.status == "RUNNING"} \
+            if client.get_experiment_by_name("test") else {}
+        for trial in running:
+            if str(trial.number) in runs_now:
+                try:
+                    study.tell(trial.number, state=TrialState.FAIL)
+                except optuna.exceptions.UpdateFinishedTrialError:
+                    break  # it finished first: try the next one
+                client.set_terminated(runs_now[str(trial.number)].info.run_id, "KILLED")
+                closed = trial.number
+                break
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err
+    study = _study(runs)
+    assert study.trials[closed].state == TrialState.FAIL
+    statuses = [r.info.status for r in _children(client) if r.data.tags["optuna_trial"] == str(closed)]
+    assert statuses == ["KILLED"], statuses
+    assert len([t for t in study.trials if t.state == TrialState.COMPLETE]) == 3
