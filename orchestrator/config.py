@@ -265,6 +265,24 @@ def _absolute_sqlite(url: str, base: Path) -> str:
     return url
 
 
+def database_url(url: str) -> str:
+    """A plain ``postgresql://`` URL gets the PostgreSQL driver that is installed.
+
+    SQLAlchemy 2.1 reads a bare ``postgresql://`` as psycopg 3, while the ``postgres`` extra (and
+    many machines) have psycopg2; ``postgres://`` (Heroku style) is not accepted by SQLAlchemy at all.
+    An explicit ``postgresql+driver://`` is left alone.
+    """
+    import importlib.util
+
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            for driver in ("psycopg", "psycopg2"):
+                if importlib.util.find_spec(driver) is not None:
+                    return f"postgresql+{driver}://" + url.removeprefix(prefix)
+            return "postgresql://" + url.removeprefix(prefix)
+    return url
+
+
 def _absolute_model(name: str, base: Path) -> str:
     """Local folders become absolute; hub ids (org/name that is not a local path) stay as they are."""
     candidate = base / name
@@ -294,8 +312,9 @@ def load_sweep(path: str | Path, base: Path | None = None) -> SweepConfig:
             update={"path": (base / config.prompts.path).resolve() if config.prompts.path else None}
         ),
         "target": config.target.model_copy(update={"model": _absolute_model(config.target.model, base)}),
-        "storage": _absolute_sqlite(config.storage, base),
-        "mlflow": config.mlflow.model_copy(update={"tracking_uri": _absolute_sqlite(config.mlflow.tracking_uri, base)}),
+        "storage": database_url(_absolute_sqlite(config.storage, base)),
+        "mlflow": config.mlflow.model_copy(
+            update={"tracking_uri": database_url(_absolute_sqlite(config.mlflow.tracking_uri, base))}),
     }
     if config.drafter is not None:
         updates["drafter"] = config.drafter.model_copy(update={"model": _absolute_model(config.drafter.model, base)})
@@ -412,3 +431,40 @@ def thinking_warning(config: SweepConfig) -> str | None:
     from workers.models.loading import thinking_warning as warning_for
 
     return warning_for(config.drafter.model if config.drafter else None, config.prompts.enable_thinking)
+
+
+def widest_verify(config: SweepConfig, block_size: int | None) -> int:
+    """Positions one verify pass can add beyond the committed tokens, for the largest setting swept."""
+    def values(name: str) -> list[int]:
+        if name in config.search_space:
+            return [v for v in config.search_space[name].values() if v is not None]
+        value = config.fixed_params.get(name)
+        return [value] if value is not None else []
+
+    if config.method == "ddtree":
+        return max(values("tree_budget"), default=1) + 1  # the nodes plus the root
+    if config.method == "dflash":
+        return block_size or max(values("num_draft_tokens"), default=0) + 1
+    return 1
+
+
+def check_prompts(config: SweepConfig, block_size: int | None, source: str) -> None:
+    """Every prompt encoded once against the target, before anything is created (BadInputError
+    naming the prompt's file and line). Skipped for a target not on this machine (the worker checks)."""
+    from workers.models.loading import target_facts
+    from workers.prompts import ChatFormat, load_source
+    from workers.prompts import check_prompts as check
+
+    try:
+        facts = target_facts(config.target.model)
+    except BadInputError as exc:
+        raise BadInputError(f"{source}: target.model: {exc}") from exc
+    if facts is None:
+        return
+    prompts = load_source(config.prompts.source())
+    chat = ChatFormat(config.prompts.chat_template, config.prompts.enable_thinking)
+    new_positions = config.prompts.max_new_tokens + widest_verify(config, block_size)
+    try:
+        check(prompts, facts.tokenizer, facts.vocab_rows, facts.max_positions, new_positions, chat)
+    except BadInputError as exc:
+        raise BadInputError(f"{source}: prompts: {exc}") from exc

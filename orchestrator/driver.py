@@ -1,11 +1,20 @@
 """The driver loop of a sweep: ask, submit to an idle actor, ``ray.wait``, log, tell.
 
+Start-up, in this order, so that whatever fails fails early and leaves nothing half-made:
+  1. the study's lock (one driver per study; a second one is refused, see ``orchestrator.locks``);
+  2. the stores opened (tables made if new), an existing study read and what a dead driver left
+     open closed (below); a study with nothing left to run ends here, without Ray or models;
+  3. Ray, the cluster's resources checked against the pool, the actors and their models;
+  4. a new study created and the parent run found or created; then the loop.
+Ctrl-C / SIGTERM at any point stops at the next safe point (``orchestrator.signals``).
+
 Order of writes per trial, chosen so a crash at any point loses nothing and counts nothing twice:
   1. Optuna ``ask`` (trial RUNNING), MLflow child run created (RUNNING), trial sent to an actor;
   2. result back: MLflow child gets metrics and artifacts and is FINISHED;
   3. Optuna ``tell`` (COMPLETE).
-On resume, a RUNNING Optuna trial whose child run is FINISHED is recovered from MLflow (step 3
-redone); otherwise its child run is marked KILLED and the trial is failed and queued again.
+Both writes happen only while the trial and the run are still RUNNING: one closed by someone else is
+left alone. On resume, a RUNNING Optuna trial whose child run is FINISHED is recovered from MLflow
+(step 3 redone); otherwise its child run is marked KILLED and the trial is failed and queued again.
 
 After the search, the best few settings are measured again (``measurement.final_top_k``), each pass
 interleaving them with the AR baseline on one actor (AR, A, AR, B, ...), so a setting that won on a
@@ -17,6 +26,7 @@ per setting and the winner's values to the parent run (``best_*``).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import time
@@ -26,19 +36,36 @@ from typing import Any
 
 import optuna
 import ray
+import sqlalchemy
+from optuna.exceptions import StorageInternalError, UpdateFinishedTrialError
 from optuna.trial import TrialState
 
+from orchestrator import locks
 from orchestrator import study as studies
 from orchestrator.config import METRICS, SweepConfig, check_against_block
-from orchestrator.pool import ACTOR_DEATH, Slot, replace_actor, start_pool
+from orchestrator.pool import ACTOR_DEATH, Slot, check_resources, replace_actor, start_pool
 from orchestrator.progress import Progress
-from orchestrator.tracking import ROUND_TAG, STATUS_TAG, TRIAL_TAG, Tracker, environment_params, sweep_params
+from orchestrator.signals import RAY_ENV, Interrupted, StopSignals
+from orchestrator.tracking import (
+    ROUND_TAG,
+    STATUS_TAG,
+    TRIAL_TAG,
+    StoreError,
+    Tracker,
+    environment_params,
+    root_reason,
+    sweep_params,
+)
 from workers.decoding.methods import METHODS, Method
 from workers.prompts import load_source
 from workers.worker import TrialResult, TrialSpec, TrialStatus
 
-EXIT_OK, EXIT_INTERRUPTED = 0, 130
+EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 MAX_ATTEMPTS = 2  # a trial whose actor died is re-run once on the restarted actor, then failed
+# Trials that FAIL one after another before the sweep stops: a setting-independent error (a bad
+# prompt, a broken model) fails every trial, and the sampler would ask for new ones forever.
+MAX_FAILURES_IN_A_ROW = 3
+OPTUNA_STORE_ERRORS = (StorageInternalError, sqlalchemy.exc.SQLAlchemyError)
 
 
 @dataclass
@@ -51,55 +78,174 @@ class InFlight:
     started_ms: int
 
 
+class SweepFailed(Exception):
+    """The sweep stopped on an error it cannot go past; the message is the one line to print."""
+
+
 class Driver:
-    def __init__(self, config: SweepConfig, config_path: Path, new_study: bool = False) -> None:
+    def __init__(self, config: SweepConfig, config_path: Path, new_study: bool = False,
+                 signals: StopSignals | None = None) -> None:
         self.config = config
         self.config_path = config_path
         self.new_study = new_study
+        self.signals = signals or StopSignals().install()
         self.prompts = tuple(load_source(config.prompts.source()))  # before Ray: a bad source creates nothing
         self.inflight: dict[Any, InFlight] = {}
         self.progress = Progress(config)
+        self.signals.on_request = lambda: self.progress.note(
+            "stopping at the next safe point: in-flight trials are marked KILLED and queued again (again to force)")
+        self.slots: list[Slot] = []
+        self.study: optuna.Study | None = None
+        self.parent_id: str | None = None
+        self.ray_started = False
+        self.failures_in_a_row, self.last_error = 0, ""
 
     # -- set-up --------------------------------------------------------------------------------------
-    def _start_ray(self) -> None:
-        ray_cfg = self.config.ray
-        if ray_cfg.address is None:
-            # address="local": never join a cluster some other `ray start` left on this machine.
-            ray.init(address="local", num_cpus=ray_cfg.num_cpus, num_gpus=ray_cfg.num_gpus, include_dashboard=False,
-                     log_to_driver=False, configure_logging=False)
-        else:
-            ray.init(address=ray_cfg.address, log_to_driver=False, configure_logging=False)
-
     def run(self) -> int:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         logging.getLogger("mlflow").setLevel(logging.WARNING)
         logging.getLogger("alembic").setLevel(logging.WARNING)
-        self._start_ray()
+        # MLflow's database layer logs a failed write with its full traceback before raising it; the
+        # driver reports that failure itself, in one line (orchestrator.tracking.StoreError).
+        logging.getLogger("mlflow.store").setLevel(logging.CRITICAL)
+        lock = self._lock()
         try:
-            self.progress.note("starting actors and loading models ...")
-            self.slots = start_pool(self.config)
-            block = self.slots[0].info.get("block_size")
-            check_against_block(self.config, block, str(self.config_path))  # nothing created yet
-            storage = studies.make_storage(self.config.storage)
-            handle = studies.open_study(self.config, storage, self.new_study)
-            self.study, self.study_name = handle.study, handle.name
-            self.tracker = Tracker(self.config.mlflow.tracking_uri, self.config.mlflow.experiment)
-            params = sweep_params(self.config) | environment_params([slot.info for slot in self.slots])
-            self.parent_id = self.tracker.parent_run(
-                self.study_name, self.config.fingerprint(), self.config_path, self.config.model_dump(mode="json"),
-                params,
-            )
-            self.tracker.set_parent_tags(self.parent_id, {"n_trials": self.config.n_trials})
-            self._recover()
-            return self._loop()
+            return self._run()
+        except StoreError as exc:
+            return self._stopped(f"{exc}; the study is kept: fix the store and run the same command again to resume")
+        except OPTUNA_STORE_ERRORS as exc:
+            return self._stopped(f"the Optuna store {studies.hide_password(self.config.storage)} failed: "
+                                 f"{root_reason(exc)}; the study is kept: fix the store and run the same command "
+                                 "again to resume")
+        except SweepFailed as exc:
+            return self._stopped(str(exc))
+        except (Interrupted, KeyboardInterrupt):
+            print("orchestrator.sweep: interrupted during start-up; run the same command again to start",
+                  file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except Exception:
+            if self.signals.requested:  # an error the stop itself caused (Ray's processes got the signal too)
+                print("orchestrator.sweep: interrupted during start-up; run the same command again to start",
+                      file=sys.stderr)
+                return EXIT_INTERRUPTED
+            raise
         finally:
             self.progress.stop()
-            ray.shutdown()
+            if self.ray_started:
+                ray.shutdown()
+            locks.release(lock)
+
+    def _stopped(self, message: str) -> int:
+        self.progress.stop()
+        print(f"orchestrator.sweep: error: {message}", file=sys.stderr)
+        return EXIT_FAILED
+
+    def _lock(self):
+        """One driver per study: the lock is held until this process ends, however it ends."""
+        storage = self.config.storage
+        try:
+            return locks.acquire(storage, f"study:{self.config.name}")
+        except locks.StoreBusyError as exc:
+            raise locks.StoreBusyError(
+                f"study '{self.config.name}' in {studies.hide_password(storage)} is being run by another driver "
+                f"({exc}); wait for it to end or stop it, then run this again") from None
+
+    def _run(self) -> int:
+        self._open_stores()
+        if self.study is not None and studies.is_done(self.study, self.config) and not self._remeasure_pending():
+            return self._already_done()
+        self.signals.check()
+        self._start_ray()
+        check_resources(self.config)
+        self.progress.note("starting actors and loading models ...")
+        self.slots = start_pool(self.config, self.signals.check)
+        block = self.slots[0].info.get("block_size")
+        check_against_block(self.config, block, str(self.config_path))  # nothing created yet
+        self.signals.check()
+        with self.signals.critical():  # a study without its identifying attributes would be half-made
+            if self.study is None:
+                self.study = studies.create_study(self.config, self.storage, self.study_name)
+            self._attach_parent()
+        return self._loop()
+
+    def _open_stores(self) -> None:
+        """Both stores opened before Ray and the models, so a broken store costs seconds, not a model load."""
+        config = self.config
+        self.storage = studies.make_storage(config.storage)
+        self.tracker = Tracker(config.mlflow.tracking_uri, config.mlflow.experiment)
+        self.study_name, create = studies.find_study_name(config, self.storage, self.new_study)
+        note = studies.grid_note(config)
+        if note:
+            self.progress.note(note)
+        wanted = studies.target_complete(config)
+        if create:
+            self.progress.note(f"new study '{self.study_name}' ({wanted} complete trials to run)")
+            return
+        with self.signals.critical():
+            self.study = studies.load_study(config, self.storage, self.study_name)
+            self._recover()
+        self.progress.note(f"resuming study '{self.study_name}': {studies.count_complete(self.study)} of {wanted} complete")
+
+    def _attach_parent(self, with_params: bool = True) -> None:
+        """The study's parent run; with the resolved sweep and the actors' environment as params once
+        the actors are up (a finished study says done without them)."""
+        params = sweep_params(self.config) | environment_params([s.info for s in self.slots]) if with_params else None
+        self.parent_id = self.tracker.parent_run(
+            self.study_name, studies.study_uid(self.study), studies.storage_identity(self.config.storage),
+            self.study._study_id, self.config.fingerprint(), self.config_path, self.config.model_dump(mode="json"),
+            params,
+        )
+        self.tracker.set_parent_tags(self.parent_id, {"n_trials": self.config.n_trials})
+
+    def _remeasure_pending(self) -> bool:
+        """A finished search whose final re-measurement has not completed (interrupted, or never run)."""
+        if self.config.measurement.final_top_k == 0 or self.config.method == "ar":
+            return False
+        parent = self.tracker.find_parent(studies.study_uid(self.study))
+        return parent is None or parent.data.tags.get("final_state") != "done"
+
+    def _already_done(self) -> int:
+        """Nothing left to run: say so without starting Ray or loading a model."""
+        parent = self.tracker.find_parent(studies.study_uid(self.study))
+        if parent is None or parent.info.status != "FINISHED":  # the last driver stopped before closing it
+            with self.signals.critical():
+                self._attach_parent(with_params=False)
+                self.tracker.finish_parent(self.parent_id, "FINISHED", self._summary())
+        self.progress.note(f"done: {studies.count_complete(self.study)} complete trials in '{self.study_name}' "
+                           f"({studies.target_complete(self.config)} wanted); nothing left to run")
+        return EXIT_OK
+
+    def _start_ray(self) -> None:
+        ray_cfg = self.config.ray
+        saved = {name: os.environ.get(name) for name in RAY_ENV}
+        os.environ.update(RAY_ENV)  # no C++ failure-signal handler on SIGTERM (see orchestrator.signals)
+        self.ray_started = True  # before init: a half-started Ray is shut down too
+        self.progress.note("starting Ray ...")
+        try:
+            if ray_cfg.address is None:
+                # address="local": never join a cluster some other `ray start` left on this machine.
+                ray.init(address="local", num_cpus=ray_cfg.num_cpus, num_gpus=ray_cfg.num_gpus,
+                         include_dashboard=False, log_to_driver=False, configure_logging=False)
+            else:
+                ray.init(address=ray_cfg.address, log_to_driver=False, configure_logging=False)
+        except SystemExit as exc:  # Ray's own SIGTERM handler, installed for the duration of ray.init
+            if exc.code != signal.SIGTERM:
+                raise
+            self.signals.requested = True
+        finally:
+            self.signals.ray_started()  # our handlers back in place of Ray's
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+        self.signals.check()
 
     def _recover(self) -> None:
         """Close what a crashed or killed driver left open (see the module docstring)."""
-        finished = {r.data.tags.get(TRIAL_TAG): r for r in self.tracker.children(self.study_name, "FINISHED")}
-        for run in self.tracker.children(self.study_name, "RUNNING"):
+        uid = studies.study_uid(self.study)
+        finished = {r.data.tags.get(TRIAL_TAG): r for r in self.tracker.children(uid, "FINISHED")}
+        for run in self.tracker.children(uid, "RUNNING"):
             self.tracker.kill(run.info.run_id, "the driver stopped before the trial finished")
         for trial in studies.stale_running(self.study):
             done = finished.get(str(trial.number))
@@ -112,36 +258,34 @@ class Driver:
                 self.progress.note(f"trial {trial.number}: interrupted earlier; queued to run again")
 
     # -- the loop ------------------------------------------------------------------------------------
-    def _request_stop(self, signum, frame) -> None:
-        """First Ctrl-C / SIGTERM: stop at the next safe point; a second one: stop now."""
-        if self.stop_requested:
-            raise KeyboardInterrupt
-        self.stop_requested = True
-        self.progress.note("stopping: in-flight trials will be marked KILLED and queued again (Ctrl-C again to force)")
-
     def _loop(self) -> int:
         wanted = studies.target_complete(self.config)
-        self.stop_requested = False
-        signal.signal(signal.SIGINT, self._request_stop)
-        signal.signal(signal.SIGTERM, self._request_stop)
         try:
-            while not self.stop_requested:
+            while not self.signals.requested:
                 complete = studies.count_complete(self.study)
                 for slot in self.slots:
                     if slot.state == "idle" and complete + len(self.inflight) < wanted and self._has_work():
-                        self._submit_new(slot)
+                        with self.signals.critical():
+                            self._submit_new(slot)
                 self.progress.update(self.study, self.slots, complete, wanted)
                 if not self.inflight:
                     break
                 ready, _ = ray.wait(list(self.inflight), num_returns=1, timeout=0.5)
                 for ref in ready:
-                    if not self.stop_requested:
-                        self._collect(ref)
-            if self.stop_requested:
+                    if not self.signals.requested:
+                        with self.signals.critical():
+                            self._collect(ref)
+                if self.failures_in_a_row >= MAX_FAILURES_IN_A_ROW:
+                    self._close_inflight("sweep stopped: trials keep failing")
+                    self.tracker.finish_parent(self.parent_id, "FAILED", self._summary())
+                    raise SweepFailed(
+                        f"{self.failures_in_a_row} trials in a row failed, stopping the sweep "
+                        f"(last error: {self.last_error}); fix the cause and run the same command again")
+            if self.signals.requested:
                 self._interrupt()
                 return EXIT_INTERRUPTED
             final = self._final_remeasure()
-            if self.stop_requested:
+            if self.signals.requested:
                 self._interrupt()
                 return EXIT_INTERRUPTED
             self.tracker.finish_parent(self.parent_id, "FINISHED", self._summary(), self._best_metrics(final))
@@ -187,7 +331,8 @@ class Driver:
         self._submit(slot, trial.number, params, attempt=1, fault=fault)
 
     def _submit(self, slot: Slot, number: int, params: dict[str, Any], attempt: int, fault: str | None = None) -> None:
-        run_id = self.tracker.start_child(self.parent_id, self.study_name, number, self._run_params(number, params), attempt)
+        run_id = self.tracker.start_child(self.parent_id, self.study_name, studies.study_uid(self.study), number,
+                                          self._run_params(number, params), attempt)
         studies.link_run(self.study, number, run_id, self.tracker.run_url(run_id))
         ref = slot.handle.run_trial.remote(self._spec(params, fault))
         self.inflight[ref] = InFlight(slot, number, params, run_id, attempt, int(time.time() * 1000))
@@ -202,19 +347,43 @@ class Driver:
             self._actor_died(job, exc)
             return
         except Exception as exc:  # a bug inside the actor call: fail this trial, keep sweeping
-            self.tracker.fail(job.run_id, f"{type(exc).__name__}: {exc}")
-            self.study.tell(job.trial_number, state=TrialState.FAIL, skip_if_finished=True)
+            self._failed(job, f"{type(exc).__name__}: {exc}")
             return
         if result.status is TrialStatus.ERROR:
-            self.tracker.fail(job.run_id, result.error or "unknown error")
-            self.study.tell(job.trial_number, state=TrialState.FAIL, skip_if_finished=True)
-            self.progress.note(f"trial {job.trial_number} failed: {str(result.error).splitlines()[0]}")
+            self._failed(job, result.error or "unknown error")
             return
-        self.tracker.finish_child(job.run_id, result, job.started_ms)  # MLflow first: see the module docstring
+        if not self._still_ours(job):
+            return
+        if not self.tracker.finish_child(job.run_id, result, job.started_ms):  # MLflow first: see the module docstring
+            self._not_ours(job)
+            return
         oom = result.status is TrialStatus.OOM
-        studies.tell_result(self.study, job.trial_number, self.config, result.metrics, oom=oom)
+        try:
+            studies.tell_result(self.study, job.trial_number, self.config, result.metrics, oom=oom)
+        except UpdateFinishedTrialError:
+            self._not_ours(job)
+            return
+        self.failures_in_a_row = 0
         if oom:
             self.progress.note(f"trial {job.trial_number}: out of memory, recorded as infeasible")
+
+    def _still_ours(self, job: InFlight) -> bool:
+        """The trial and its run are still RUNNING: nobody else closed them (e.g. a resume elsewhere)."""
+        if studies.is_running(self.study, job.trial_number) and self.tracker.status(job.run_id) == "RUNNING":
+            return True
+        self._not_ours(job)
+        return False
+
+    def _not_ours(self, job: InFlight) -> None:
+        self.progress.note(f"trial {job.trial_number}: closed by someone else meanwhile; its result is not recorded")
+
+    def _failed(self, job: InFlight, error: str) -> None:
+        first_line = str(error).splitlines()[0] if str(error) else "unknown error"
+        self.failures_in_a_row += 1
+        self.last_error = first_line
+        self.tracker.fail(job.run_id, error)
+        self.study.tell(job.trial_number, state=TrialState.FAIL, skip_if_finished=True)
+        self.progress.note(f"trial {job.trial_number} failed: {first_line}")
 
     def _actor_died(self, job: InFlight, exc: Exception) -> None:
         slot = job.slot
@@ -224,6 +393,8 @@ class Driver:
         if job.attempt < MAX_ATTEMPTS:
             self._submit(slot, job.trial_number, job.params, attempt=job.attempt + 1)
         else:
+            self.failures_in_a_row += 1
+            self.last_error = f"the actor died twice during trial {job.trial_number} ({type(exc).__name__})"
             self.study.tell(job.trial_number, state=TrialState.FAIL, skip_if_finished=True)
 
     def _revive(self, slot: Slot) -> None:
@@ -236,16 +407,24 @@ class Driver:
         except ACTOR_DEATH:
             replace_actor(self.config, slot)
 
+    def _close_inflight(self, reason: str) -> None:
+        """In-flight child runs KILLED, their trials queued to run again."""
+        with self.signals.critical():
+            for job in self.inflight.values():
+                self.tracker.kill(job.run_id, reason)
+                if studies.is_running(self.study, job.trial_number):
+                    studies.fail_and_requeue(self.study, job.trial_number, job.params)
+                job.slot.state, job.slot.trial_number = "stopped", None
+            self.inflight.clear()
+
     def _interrupt(self) -> None:
         """Ctrl-C / SIGTERM: in-flight child runs KILLED, their trials queued to run again."""
-        for job in self.inflight.values():
-            self.tracker.kill(job.run_id, "sweep interrupted")
-            studies.fail_and_requeue(self.study, job.trial_number, job.params)
-            job.slot.state, job.slot.trial_number = "stopped", None
-        self.inflight.clear()
-        self.progress.update(self.study, self.slots, studies.count_complete(self.study),
-                             studies.target_complete(self.config))
-        self.tracker.finish_parent(self.parent_id, "KILLED", self._summary())
+        self._close_inflight("sweep interrupted")
+        with self.signals.critical():
+            self.progress.update(self.study, self.slots, studies.count_complete(self.study),
+                                 studies.target_complete(self.config))
+            self.tracker.finish_parent(self.parent_id, "KILLED", self._summary())
+        self.progress.stop()
         print("orchestrator.sweep: interrupted; run the same command again to resume", file=sys.stderr)
 
     def _summary(self) -> dict[str, Any]:
@@ -298,7 +477,7 @@ class Driver:
                 self.progress.note(f"trial {trial.number}: its re-measurement failed; not a candidate")
                 continue
             params = self._run_params(trial.number, dict(trial.params) | dict(self.config.fixed_params))
-            self.tracker.log_remeasure(self.parent_id, self.study_name, trial.number, params | {"passes": passes},
+            self.tracker.log_remeasure(self.parent_id, self.study_name, studies.study_uid(self.study), trial.number, params | {"passes": passes},
                                        metrics, round_id)
             final["trials"][trial.number] = metrics
         self.tracker.set_parent_tags(self.parent_id, {ROUND_TAG: round_id, "final_trials": numbers,
@@ -319,7 +498,7 @@ class Driver:
         """One measurement on ``slot``'s actor, waiting in short steps so Ctrl-C stays responsive."""
         ref = slot.handle.run_trial.remote(spec)
         try:
-            while not self.stop_requested:
+            while not self.signals.requested:
                 ready, _ = ray.wait([ref], num_returns=1, timeout=0.5)
                 if ready:
                     return ray.get(ref)
@@ -344,7 +523,7 @@ class Driver:
         out: dict[str, float] = {}
         names = (*METRICS, "tokens_per_s_median", "tokens_per_s_iqr", "baseline_tokens_per_s")
         if "best_trial" in summary:
-            searched = self.tracker.trial_metrics(self.study_name, summary["best_trial"])
+            searched = self.tracker.trial_metrics(studies.study_uid(self.study), summary["best_trial"])
             out |= {f"search_best_{k}": v for k, v in searched.items() if k in names}
             out["search_best_trial"] = float(summary["best_trial"])
         winner = _final_winner(final, self.config) if final else None

@@ -110,12 +110,59 @@ def start_actor(config: SweepConfig):
     return remote.options(**actor_options(config)).remote(worker_config(config))
 
 
-def start_pool(config: SweepConfig) -> list[Slot]:
-    """Start every actor, wait until all have loaded their models, and read where they landed."""
+def worker_needs(config: SweepConfig) -> dict[str, float]:
+    """Ray resources one actor asks for (as in ``actor_options``)."""
+    options = actor_options(config)
+    needs = {"CPU": float(options["num_cpus"]), "GPU": float(options["num_gpus"])}
+    needs |= {name: float(amount) for name, amount in options["resources"].items()}
+    return {name: amount for name, amount in needs.items() if amount > 0}
+
+
+def check_resources(config: SweepConfig) -> None:
+    """Refuse, with the numbers, a pool the cluster can never place (Ray would wait for it forever).
+
+    Counts how many actors fit node by node in the cluster's total resources (an actor lives on one
+    node); what other jobs hold right now is shown but not counted against the sweep.
+    """
+    needs = worker_needs(config)
+    nodes = [node for node in ray.nodes() if node.get("Alive")]
+    fit = 0
+    for node in nodes:
+        have = node.get("Resources", {})
+        fit += min(int(have.get(name, 0.0) / amount + 1e-9) for name, amount in needs.items())
+    wanted = config.workers.count
+    if fit >= wanted:
+        return
+    total, free = ray.cluster_resources(), ray.available_resources()
+    names = sorted(needs)
+    raise BadInputError(
+        f"workers: {wanted} worker(s) need {_amounts(needs, names)} each, but the Ray cluster "
+        f"({len(nodes)} node(s)) has {_amounts(total, names)} in all ({_amounts(free, names)} free now): "
+        f"{fit} worker(s) fit. Lower workers.count or workers.gpus_per_worker, or give a local Ray more "
+        "with ray.num_gpus / ray.num_cpus"
+    )
+
+
+def _amounts(values: dict[str, float], names: list[str]) -> str:
+    return ", ".join(f"{values.get(name, 0.0):g} {name}" for name in names)
+
+
+def start_pool(config: SweepConfig, checkpoint=None) -> list[Slot]:
+    """Start every actor, wait until all have loaded their models, and read where they landed.
+
+    ``checkpoint()`` runs every half second while the models load (the driver's stop check); what it
+    raises stops the load and kills the actors.
+    """
     slots = [Slot(index, start_actor(config)) for index in range(config.workers.count)]
     try:
-        infos = ray.get([slot.handle.info.remote() for slot in slots])
-    except Exception:
+        refs = [slot.handle.info.remote() for slot in slots]
+        pending = refs
+        while pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+            if checkpoint is not None:
+                checkpoint()
+        infos = ray.get(refs)
+    except BaseException:
         _kill_all(slots)
         raise
     for slot, info in zip(slots, infos, strict=True):

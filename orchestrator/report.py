@@ -53,17 +53,22 @@ CPU_TEXT = (
 )
 
 
-def trials_from_mlflow(tracking_uri: str, experiment: str, study: str) -> pd.DataFrame:
-    """One row per FINISHED trial run of ``study``: trial number, status, params and metrics."""
-    from mlflow.tracking import MlflowClient
+def trials_from_mlflow(tracking_uri: str, experiment: str, study: str, study_uid: str | None = None) -> pd.DataFrame:
+    """One row per FINISHED trial run of ``study``: trial number, status, params and metrics.
 
-    client = MlflowClient(tracking_uri=tracking_uri)
-    found = client.get_experiment_by_name(experiment)
+    Only reads: a missing store or experiment gives an empty frame (nothing is created). With
+    ``study_uid`` only the runs of that very study count (the same name may exist in other storages).
+    """
+    from orchestrator.tracking import read_only_client
+
+    client = read_only_client(tracking_uri)
+    found = client.get_experiment_by_name(experiment) if client is not None else None
     if found is None:
         return pd.DataFrame()
+    which = f"tags.sweep_study_uid = '{study_uid}'" if study_uid else f"tags.sweep_study = '{study}'"
     runs = client.search_runs(
         [found.experiment_id],
-        f"tags.sweep_study = '{study}' and tags.sweep_role = 'trial' and attributes.status = 'FINISHED'",
+        f"{which} and tags.sweep_role = 'trial' and attributes.status = 'FINISHED'",
         max_results=50_000,
     )
     rows = []
@@ -263,13 +268,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = load_sweep(args.sweep)
-        study_name = resolve_study_name(config)
+        study_name, study_uid = resolve_study(config)
     except BadInputError as exc:
         print(f"orchestrator.report: error: {exc}", file=sys.stderr)
         return 2
-    frame = trials_from_mlflow(config.mlflow.tracking_uri, config.mlflow.experiment, study_name)
+    frame = trials_from_mlflow(config.mlflow.tracking_uri, config.mlflow.experiment, study_name, study_uid)
     if frame.empty:
-        print(f"orchestrator.report: no finished trials of study '{study_name}' yet", file=sys.stderr)
+        print(f"orchestrator.report: nothing to report: no finished trials of study '{study_name}' in "
+              f"{config.mlflow.tracking_uri} (experiment '{config.mlflow.experiment}') yet", file=sys.stderr)
         return 1
     objectives = [(o.metric, o.direction) for o in config.objectives]
     out = args.out or report_dir(study_name)
@@ -343,20 +349,28 @@ def notebook_figures_dir(root: Path, study_name: str) -> Path:
 
 def resolve_study_name(config) -> str:
     """The study this file's runs belong to (a --new-study sweep lives under <name>@k)."""
+    return resolve_study(config)[0]
+
+
+def resolve_study(config) -> tuple[str, str | None]:
+    """(name, uid) of the study this file's runs belong to, read without writing to the storage."""
     import optuna
 
-    from orchestrator.study import FINGERPRINT_ATTR
+    from orchestrator.study import FINGERPRINT_ATTR, UID_ATTR, read_only_storage
 
-    if config.storage.startswith("sqlite:///") and not Path(config.storage.removeprefix("sqlite:///")).exists():
-        raise BadInputError(f"storage: {config.storage} does not exist yet (run the sweep first)")
     try:
-        summaries = optuna.get_all_study_summaries(config.storage, include_best_trial=False)
-    except Exception as exc:  # missing database, unreachable server
+        storage = read_only_storage(config.storage)
+        if storage is None:
+            raise BadInputError(f"storage: {config.storage} has no studies yet (run the sweep first)")
+        summaries = optuna.get_all_study_summaries(storage, include_best_trial=False)
+    except BadInputError:
+        raise
+    except Exception as exc:  # missing tables, unreachable server
         raise BadInputError(f"storage: cannot read studies from {config.storage} ({exc})") from exc
     for summary in summaries:
         base = summary.study_name.split("@")[0]
         if base == config.name and summary.user_attrs.get(FINGERPRINT_ATTR) == config.fingerprint():
-            return summary.study_name
+            return summary.study_name, summary.user_attrs.get(UID_ATTR)
     raise BadInputError(f"no study for sweep '{config.name}' with this definition in {config.storage}")
 
 

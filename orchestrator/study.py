@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import tempfile
+import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +25,7 @@ from orchestrator.config import CategoricalParam, IntParam, SweepConfig
 from workers.errors import BadInputError
 
 FINGERPRINT_ATTR = "sweep_fingerprint"
+UID_ATTR = "sweep_uid"  # one id per study ever created: its MLflow runs carry it (a name can be reused)
 RETRY_ATTR = "retry_of"
 RUN_ID_ATTR, RUN_URL_ATTR = "mlflow_run_id", "mlflow_run_url"  # each trial's link to its MLflow run
 OOM_CONSTRAINT = "oom"
@@ -33,10 +37,13 @@ WORST_MINIMISED = 1e9
 def check_storage(url: str, field: str = "storage") -> None:
     """Fail early, creating nothing, when the storage URL cannot work."""
     if url.startswith("sqlite:///"):
-        path = Path(url.removeprefix("sqlite:///"))
+        path = sqlite_path(url)
         existing = next((p for p in [path.parent, *path.parent.parents] if p.exists()), None)
-        if existing is None or not existing.is_dir() or not _writable(existing):
+        if existing is None or not existing.is_dir():
             raise BadInputError(f"{field}: cannot create the SQLite file {path} (no writable folder)")
+        problem = _write_probe(existing, path if path.exists() else None)
+        if problem:
+            raise BadInputError(f"{field}: cannot write the SQLite file {path} ({problem})")
         return
     import sqlalchemy
 
@@ -45,12 +52,48 @@ def check_storage(url: str, field: str = "storage") -> None:
         with engine.connect():
             pass
     except Exception as exc:  # drivers raise many types; the user needs the URL and the reason
-        shown = _hide_password(url)
+        shown = hide_password(url)
         reason = str(exc).splitlines()[0].replace(url, shown)
         raise BadInputError(f"{field}: cannot connect to {shown} ({reason})") from exc
 
 
-def _hide_password(url: str) -> str:
+def _write_probe(folder: Path, database: Path | None) -> str | None:
+    """Why SQLite could not write here (read-only folder or file, full disk), or None.
+
+    A real write, not ``os.access``: root passes every permission check, yet a read-only mount or a
+    full disk still refuses. SQLite writes its journal beside the database, so the folder counts too.
+    """
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-probe-") as handle:
+            handle.write(b"\0" * 4096)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if database is not None:
+            with database.open("r+b"):
+                pass
+    except OSError as exc:
+        return f"{exc.strerror or exc} in {folder if database is None else database}"
+    return None
+
+
+def sqlite_path(url: str) -> Path:
+    return Path(url.removeprefix("sqlite:///"))
+
+
+def storage_identity(url: str) -> str:
+    """The storage as a stable name: no password, no driver (psycopg vs psycopg2 is the same database)."""
+    if url.startswith("sqlite:///"):
+        return url
+    import sqlalchemy
+
+    try:
+        parsed = sqlalchemy.engine.make_url(url)
+        return parsed.set(drivername=parsed.get_backend_name()).render_as_string(hide_password=True)
+    except Exception:  # not parseable as a database URL: show no credentials at all
+        return url.split("@")[-1]
+
+
+def hide_password(url: str) -> str:
     """Never echo a database password into a terminal or a log."""
     import sqlalchemy
 
@@ -60,16 +103,35 @@ def _hide_password(url: str) -> str:
         return url.split("@")[-1]
 
 
-def _writable(folder: Path) -> bool:
-    import os
-
-    return os.access(folder, os.W_OK)
-
-
 def make_storage(url: str) -> optuna.storages.RDBStorage:
+    """The storage, its tables created if new (one process at a time: concurrent creation races)."""
+    from orchestrator import locks
+
     if url.startswith("sqlite:///"):
-        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    return optuna.storages.RDBStorage(url)
+        sqlite_path(url).parent.mkdir(parents=True, exist_ok=True)
+    lock = locks.acquire(url, "schema", wait=True)
+    try:
+        return optuna.storages.RDBStorage(url)
+    finally:
+        locks.release(lock)
+
+
+def read_only_storage(url: str) -> optuna.storages.RDBStorage | None:
+    """The storage opened only to read (dry-run, report), or None when it has no Optuna tables yet."""
+    import sqlalchemy
+
+    if url.startswith("sqlite:///"):
+        path = sqlite_path(url)
+        if not path.is_file():
+            return None
+        url = f"sqlite:///file:{path}?mode=ro&uri=true"  # SQLite itself refuses every write
+    engine = sqlalchemy.create_engine(url)
+    try:
+        if not sqlalchemy.inspect(engine).has_table("studies"):  # a store no driver has made tables in yet
+            return None
+    finally:
+        engine.dispose()
+    return optuna.storages.RDBStorage(url, skip_table_creation=True)
 
 
 def make_sampler(config: SweepConfig) -> optuna.samplers.BaseSampler:
@@ -109,21 +171,79 @@ def find_study_name(config: SweepConfig, storage, new_study: bool) -> tuple[str,
 
 def open_study(config: SweepConfig, storage, new_study: bool = False) -> StudyHandle:
     name, create = find_study_name(config, storage, new_study)
+    study = create_study(config, storage, name) if create else load_study(config, storage, name)
+    return StudyHandle(study, name, create)
+
+
+def create_study(config: SweepConfig, storage, name: str) -> optuna.Study:
+    """A new study with the attributes that identify it (call inside a critical section)."""
     directions = [objective.direction for objective in config.objectives]
-    sampler = make_sampler(config)
-    if create:
-        study = optuna.create_study(storage=storage, study_name=name, directions=directions, sampler=sampler)
-        study.set_user_attr(FINGERPRINT_ATTR, config.fingerprint())
-        study.set_user_attr("sweep_definition", config.defining_summary())
-    else:
-        study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
-    if study.metric_names is None:  # optuna-dashboard and plots then say tokens_per_s, not "Objective 0"
+    study = optuna.create_study(storage=storage, study_name=name, directions=directions, sampler=make_sampler(config))
+    study.set_user_attr(FINGERPRINT_ATTR, config.fingerprint())
+    study.set_user_attr("sweep_definition", config.defining_summary())
+    study.set_user_attr(UID_ATTR, uuid.uuid4().hex)
+    name_objectives(study, config)
+    if config.sampler.type == "grid":
+        enqueue_grid(study, config)
+    return study
+
+
+def load_study(config: SweepConfig, storage, name: str) -> optuna.Study:
+    study = optuna.load_study(study_name=name, storage=storage, sampler=make_sampler(config))
+    if UID_ATTR not in study.user_attrs:  # made by an older version of the driver
+        study.set_user_attr(UID_ATTR, uuid.uuid4().hex)
+    name_objectives(study, config)
+    if config.sampler.type == "grid":
+        enqueue_grid(study, config)
+    return study
+
+
+def name_objectives(study: optuna.Study, config: SweepConfig) -> None:
+    """optuna-dashboard and Optuna's plots then say tokens_per_s, not "Objective 0"."""
+    if study.metric_names is None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             study.set_metric_names([objective.metric for objective in config.objectives])
-    if config.sampler.type == "grid":
-        enqueue_grid(study, config)
-    return StudyHandle(study, name, create)
+
+
+def study_uid(study: optuna.Study) -> str:
+    return study.user_attrs[UID_ATTR]
+
+
+def is_done(study: optuna.Study, config: SweepConfig) -> bool:
+    """Nothing left to run: enough COMPLETE trials, or a grid with no point left to try."""
+    if count_complete(study) >= target_complete(config):
+        return True
+    return config.sampler.type == "grid" and not study.get_trials(
+        deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING))
+
+
+def status_text(config: SweepConfig, new_study: bool = False) -> str:
+    """What running this file would do to the store, read without writing anything (``--dry-run``)."""
+    storage = read_only_storage(config.storage)
+    wanted = target_complete(config)
+    if storage is None:
+        return f"new study '{config.name}' ({wanted} complete trials to run)"
+    name, create = find_study_name(config, storage, new_study)  # a changed definition raises as a run would
+    if create:
+        beside = f" beside '{config.name}'" if name != config.name else ""
+        return f"new study '{name}'{beside} ({wanted} complete trials to run)"
+    study = optuna.load_study(study_name=name, storage=storage)
+    complete = count_complete(study)
+    interrupted = len(stale_running(study))
+    if is_done(study, config) and not interrupted:
+        return f"complete: study '{name}' has {complete} of {wanted} complete trials; running it says done"
+    extra = f"; {interrupted} interrupted trial(s) will be re-run" if interrupted else ""
+    return f"resuming study '{name}': {complete} of {wanted} complete{extra}"
+
+
+def grid_note(config: SweepConfig) -> str | None:
+    if config.sampler.type != "grid":
+        return None
+    points = len(grid_points(config))
+    if points >= config.n_trials:
+        return None
+    return f"the grid has {points} points, fewer than n_trials = {config.n_trials}: the sweep stops after {points}"
 
 
 def grid_points(config: SweepConfig) -> list[dict[str, Any]]:
@@ -252,8 +372,17 @@ def objective_values(config: SweepConfig, metrics: dict[str, Any], oom: bool) ->
     return values
 
 
+def is_running(study: optuna.Study, trial_number: int) -> bool:
+    """True while the trial is still open (only then may this driver write to it)."""
+    trial_id = study._storage.get_trial_id_from_study_id_trial_number(study._study_id, trial_number)
+    return study._storage.get_trial(trial_id).state == TrialState.RUNNING
+
+
 def tell_result(study: optuna.Study, trial_number: int, config: SweepConfig, metrics: dict[str, Any], oom: bool) -> None:
-    """COMPLETE with objective values and constraints (an OOM is an infeasible result, not a FAIL)."""
+    """COMPLETE with objective values and constraints (an OOM is an infeasible result, not a FAIL).
+
+    Raises ``optuna.exceptions.UpdateFinishedTrialError`` when the trial is no longer RUNNING.
+    """
     trial_id = study._storage.get_trial_id_from_study_id_trial_number(study._study_id, trial_number)
     trial = Trial(study, trial_id)
     constraints = constraint_values(config, metrics, oom)

@@ -3,27 +3,21 @@
 The driver validates the file, starts (or joins) Ray, places one generation actor per GPU group,
 then loops: ask Optuna for a setting, hand it to an idle actor, wait for any result, log it to
 MLflow, tell Optuna. Running the same command again resumes the study. Exit status: 0 when the
-sweep is done, 2 on bad input (nothing created), 130 when interrupted (in-flight trials KILLED and
-queued to run again on resume).
+sweep is done; 1 when it stopped on an error it cannot go past (a store failed, trials keep
+failing; the study is kept and resumes); 2 on bad input (nothing created); 3 when another driver is
+running the same study; 130 when interrupted (in-flight trials KILLED and queued to run again).
+
+Only the standard library is imported before Ctrl-C / SIGTERM handling is in place, so a stop in
+the first second is the same clean stop as one later.
 """
 
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from pathlib import Path
 
-from orchestrator.config import (
-    SweepConfig,
-    check_against_block,
-    drafter_block_size,
-    load_sweep,
-    thinking_warning,
-)
-from workers.errors import BadInputError
-
-EXIT_OK, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_BUSY, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,26 +32,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def validate(path: Path) -> SweepConfig:
-    """Everything that can be checked without starting anything; raises BadInputError."""
+def validate(path: Path):
+    """Everything that can be checked without starting anything; raises BadInputError.
+
+    The sweep file, the drafter's block, the stores (a real write where they are files), the target
+    folder and every prompt encoded against the target (when its config and tokenizer are here).
+    """
+    from orchestrator.config import (
+        check_against_block,
+        check_prompts,
+        drafter_block_size,
+        load_sweep,
+        thinking_warning,
+    )
     from orchestrator.study import check_storage
     from orchestrator.tracking import check_tracking_uri
+    from workers.errors import BadInputError
 
     config = load_sweep(path)
-    check_against_block(config, drafter_block_size(config), str(path))
+    block = drafter_block_size(config)
+    check_against_block(config, block, str(path))
     try:
         check_storage(config.storage)
         check_tracking_uri(config.mlflow.tracking_uri)
     except BadInputError as exc:
         raise BadInputError(f"{path}: {exc}") from exc
+    check_prompts(config, block, str(path))
     warning = thinking_warning(config)
     if warning:
         print(warning, file=sys.stderr)
     return config
 
 
-def plan_text(config: SweepConfig, path: Path) -> str:
-    from orchestrator.study import grid_points, target_complete
+def plan_text(config, path: Path, new_study: bool = False) -> str:
+    from orchestrator.study import grid_note, grid_points, status_text, target_complete
 
     w = config.workers
     lines = [
@@ -80,38 +88,62 @@ def plan_text(config: SweepConfig, path: Path) -> str:
         lines.append(f"  {name:<17} fixed {value}")
     if config.sampler.type == "grid":
         lines.append(f"  grid points       {len(grid_points(config))}")
+        if grid_note(config):
+            lines.append(f"  note              {grid_note(config)}")
     objectives = ", ".join(f"{o.direction} {o.metric}" for o in config.objectives)
     constraints = ", ".join(f"{k} {v.model_dump(exclude_none=True)}" for k, v in config.constraints.items())
     lines += [
         f"objectives {objectives}" + (f"; constraints {constraints}" if constraints else ""),
         f"optuna     {config.storage}",
         f"mlflow     {config.mlflow.tracking_uri} experiment '{config.mlflow.experiment}'",
+        f"study      {status_text(config, new_study)}",
     ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
+    import signal
+
+    from orchestrator.signals import SIGNALS, Interrupted, StopSignals
+
+    previous = {signum: signal.getsignal(signum) for signum in SIGNALS}
+    signals = StopSignals().install()  # first of all: Ctrl-C / SIGTERM now stop cleanly, at a safe point
+    try:
+        return _main(argv, signals)
+    except (Interrupted, KeyboardInterrupt):
+        print("orchestrator.sweep: interrupted during start-up; run the same command again to start", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:  # main() called in-process (tests, notebooks): give the caller its handlers back
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+def _main(argv: list[str] | None, signals) -> int:
     args = build_parser().parse_args(argv)
+    from orchestrator.locks import StoreBusyError
+    from workers.errors import BadInputError
+
     try:
         config = validate(args.sweep)
+        if args.dry_run:
+            plan = plan_text(config, args.sweep, args.new_study)
     except BadInputError as exc:
         print(f"orchestrator.sweep: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    signals.check()
     if args.dry_run:
-        print(plan_text(config, args.sweep))
+        print(plan)
         return EXIT_OK
     from orchestrator.driver import Driver
 
-    # Until the driver loop installs its own handler (stop at a safe point), SIGTERM acts as Ctrl-C.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        return Driver(config, args.sweep, new_study=args.new_study).run()
+        return Driver(config, args.sweep, new_study=args.new_study, signals=signals).run()
     except BadInputError as exc:
         print(f"orchestrator.sweep: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:  # during start-up: nothing was created yet, or resume cleans it up
-        print("orchestrator.sweep: interrupted during start-up", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except StoreBusyError as exc:
+        print(f"orchestrator.sweep: error: {exc}", file=sys.stderr)
+        return EXIT_BUSY
 
 
 if __name__ == "__main__":

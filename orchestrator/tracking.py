@@ -1,9 +1,12 @@
 """The MLflow side of a sweep: one parent run per study, one nested child run per trial.
 
 Everything goes through ``MlflowClient`` with explicit run ids (no global active-run stack), and the
-driver is the only writer. Runs are found again on resume by tags: the parent by ``sweep_study``,
-children by ``sweep_study`` + ``optuna_trial``. Artifacts go next to a SQLite store (never into a
-cwd-relative ``mlruns``).
+driver is the only writer. Runs are found again on resume by tags: the parent and the children by
+``sweep_study_uid``, the id the Optuna study got when it was created (a study name alone is not
+enough: the same name in another storage, or in a storage made anew, is another study). Artifacts
+go next to a SQLite store (never into a cwd-relative ``mlruns``). A write goes only to a run that is
+still RUNNING: a run someone else closed is left as it is. Store failures (a full disk, a server
+gone) surface as one ``StoreError`` naming the store.
 
 What lands where (so the runs table can filter and compare):
   * experiment: tag ``mlflow.experimentKind = custom_model_development`` (MLflow 3 opens untagged
@@ -21,6 +24,7 @@ What lands where (so the runs table can filter and compare):
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import tempfile
 import time
@@ -30,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.tracking import MlflowClient
 
-from workers.errors import BadInputError
+from workers.errors import BadInputError, SpecDecError
 from workers.memory import KIND_RSS, MemoryTrace
 from workers.metrics import acceptance_columns
 
@@ -40,6 +44,9 @@ if TYPE_CHECKING:
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"  # read by the MLflow 3 UI to pick the experiment's view
 MODEL_DEVELOPMENT = "custom_model_development"
 STUDY_TAG = "sweep_study"
+UID_TAG = "sweep_study_uid"
+STORAGE_TAG = "sweep_storage"
+OPTUNA_ID_TAG = "optuna_study_id"
 FINGERPRINT_TAG = "sweep_fingerprint"
 TRIAL_TAG = "optuna_trial"
 STATUS_TAG = "trial_status"
@@ -49,6 +56,33 @@ ROUND_TAG = "final_round"  # on the parent and on each re-measurement run: which
 # One step metric per committed length (step = length, value = rounds): the chart is the histogram.
 ACCEPTANCE_STEP_METRIC = "acceptance_rounds_by_length"
 BATCH = 1000  # MLflow's log_batch cap on metrics per call
+
+
+class StoreError(SpecDecError):
+    """A store (MLflow or Optuna) failed mid-run: full disk, server gone, database locked."""
+
+
+def root_reason(exc: BaseException) -> str:
+    """The first line of the innermost cause: '(sqlite3.OperationalError) database or disk is full'."""
+    while exc.__cause__ is not None or (exc.__context__ is not None and not exc.__suppress_context__):
+        exc = exc.__cause__ or exc.__context__
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _store_call(method):
+    """Any failure of the MLflow store inside ``method`` becomes one StoreError naming the store."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except SpecDecError:
+            raise
+        except Exception as exc:  # MlflowException, OSError (artifacts), SQLAlchemy errors
+            raise StoreError(f"the MLflow store {self.shown_uri} failed: {root_reason(exc)}") from exc
+
+    return wrapper
 
 
 def check_tracking_uri(uri: str) -> None:
@@ -77,23 +111,59 @@ def check_tracking_uri(uri: str) -> None:
     )
 
 
+def read_only_client(uri: str) -> MlflowClient | None:
+    """A client that cannot create anything (report, dry-run), or None when there is no store yet.
+
+    Opening a SQLite or database store with a plain client creates its tables when they are missing
+    (and races a driver doing the same); a read-only SQLite connection and a table check prevent it.
+    """
+    if uri.startswith("sqlite:///"):
+        path = Path(uri.removeprefix("sqlite:///"))
+        if not path.is_file():
+            return None
+        uri = f"sqlite:///file:{path}?mode=ro&uri=true"
+    if uri.startswith(("sqlite", "postgresql", "mysql")):
+        import sqlalchemy
+
+        engine = sqlalchemy.create_engine(uri)
+        try:
+            if not sqlalchemy.inspect(engine).has_table("alembic_version"):  # tables not made (yet)
+                return None
+        finally:
+            engine.dispose()
+    return MlflowClient(tracking_uri=uri)
+
+
 class Tracker:
     def __init__(self, tracking_uri: str, experiment: str) -> None:
-        self.client = MlflowClient(tracking_uri=tracking_uri)
-        self.tracking_uri = tracking_uri
-        self.experiment_id = self._experiment(experiment)
+        from orchestrator import locks
+        from orchestrator.study import hide_password
 
-    def _experiment(self, name: str) -> str:
-        found = self.client.get_experiment_by_name(name)
+        self.tracking_uri = tracking_uri
+        self.shown_uri = hide_password(tracking_uri) if not tracking_uri.startswith(("sqlite", "http")) else tracking_uri
+        self.experiment_name = experiment
+        # Opening a new SQLite / database store creates its tables, and two processes doing it at
+        # once fail ('table ... already exists'): one at a time, and the experiment under the same lock.
+        lock = locks.acquire(tracking_uri, "schema", wait=True)
+        try:
+            self._open()
+        finally:
+            locks.release(lock)
+
+    @_store_call
+    def _open(self) -> None:
+        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        found = self.client.get_experiment_by_name(self.experiment_name)
         if found is not None:
             if EXPERIMENT_KIND_TAG not in found.tags:  # made before this tag was set, or by hand
                 self.client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, MODEL_DEVELOPMENT)
-            return found.experiment_id
+            self.experiment_id = found.experiment_id
+            return
         location = None
         if self.tracking_uri.startswith("sqlite:///"):  # artifacts beside the database, absolute
             location = (Path(self.tracking_uri.removeprefix("sqlite:///")).parent / "mlartifacts").as_uri()
-        return self.client.create_experiment(name, artifact_location=location,
-                                             tags={EXPERIMENT_KIND_TAG: MODEL_DEVELOPMENT})
+        self.experiment_id = self.client.create_experiment(self.experiment_name, artifact_location=location,
+                                                           tags={EXPERIMENT_KIND_TAG: MODEL_DEVELOPMENT})
 
     def run_url(self, run_id: str) -> str | None:
         """The run's page in the MLflow UI when the tracking URI is a server (None for a local store)."""
@@ -101,27 +171,40 @@ class Tracker:
             return None
         return f"{self.tracking_uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{run_id}"
 
-    # -- parent --------------------------------------------------------------------------------------
-    def parent_run(self, study_name: str, fingerprint: str, config_path: Path, resolved: dict[str, Any],
-                   params: dict[str, Any] | None = None) -> str:
-        """Reuse the study's parent run (RUNNING again) or create it with the config as an artifact.
+    @_store_call
+    def status(self, run_id: str) -> str:
+        return self.client.get_run(run_id).info.status
 
-        ``params`` (the resolved sweep and the environment) are logged on a new run; on a resumed one,
-        keys it lacks are added and a value that changed (a package upgrade, a new commit) goes in a
-        ``resumed.<key>`` tag, since MLflow refuses to re-log a param with another value.
-        """
+    # -- parent --------------------------------------------------------------------------------------
+    @_store_call
+    def find_parent(self, uid: str):
         runs = self.client.search_runs(
-            [self.experiment_id], f"tags.{STUDY_TAG} = '{study_name}' and tags.{ROLE_TAG} = 'parent'", max_results=1
+            [self.experiment_id], f"tags.{UID_TAG} = '{uid}' and tags.{ROLE_TAG} = 'parent'", max_results=1
         )
-        if runs:
-            run_id = runs[0].info.run_id
+        return runs[0] if runs else None
+
+    @_store_call
+    def parent_run(self, study_name: str, uid: str, storage: str, optuna_id: int, fingerprint: str,
+                   config_path: Path, resolved: dict[str, Any], params: dict[str, Any] | None = None) -> str:
+        """Reuse this study's parent run (RUNNING again) or create it with the config as an artifact.
+
+        The parent belongs to one study: the uid Optuna's study got at creation; the storage and the
+        study's id there are tagged too, for people reading the runs table. ``params`` (the resolved
+        sweep and the environment) are logged on a new run; on a resumed one, keys it lacks are added
+        and a value that changed (a package upgrade, a new commit) goes in a ``resumed.<key>`` tag,
+        since MLflow refuses to re-log a param with another value.
+        """
+        found = self.find_parent(uid)
+        if found is not None:
+            run_id = found.info.run_id
             self.client.update_run(run_id, status="RUNNING")
-            self._reconcile_params(run_id, runs[0].data.params, params or {})
+            self._reconcile_params(run_id, found.data.params, params or {})
             return run_id
         run = self.client.create_run(
             self.experiment_id,
             run_name=study_name,
-            tags={STUDY_TAG: study_name, FINGERPRINT_TAG: fingerprint, ROLE_TAG: "parent"},
+            tags={STUDY_TAG: study_name, UID_TAG: uid, STORAGE_TAG: storage, OPTUNA_ID_TAG: str(optuna_id),
+                  FINGERPRINT_TAG: fingerprint, ROLE_TAG: "parent"},
         )
         run_id = run.info.run_id
         self._log_params(run_id, params or {})
@@ -142,9 +225,11 @@ class Tracker:
         if changed:
             self.client.log_batch(run_id, tags=changed)
 
+    @_store_call
     def set_parent_tags(self, run_id: str, tags: dict[str, Any]) -> None:
         self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
+    @_store_call
     def finish_parent(self, run_id: str, status: str, summary: dict[str, Any],
                       best_metrics: dict[str, float] | None = None) -> None:
         """Best setting as tags (a resumed sweep may find a better one, so not params), best values as metrics."""
@@ -158,7 +243,9 @@ class Tracker:
         self.client.set_terminated(run_id, status)
 
     # -- children ------------------------------------------------------------------------------------
-    def start_child(self, parent_id: str, study_name: str, trial_number: int, params: dict[str, Any], attempt: int) -> str:
+    @_store_call
+    def start_child(self, parent_id: str, study_name: str, uid: str, trial_number: int, params: dict[str, Any],
+                    attempt: int) -> str:
         """A RUNNING run for one attempt at a trial; ``params`` is what identifies the trial."""
         run = self.client.create_run(
             self.experiment_id,
@@ -166,6 +253,7 @@ class Tracker:
             tags={
                 "mlflow.parentRunId": parent_id,
                 STUDY_TAG: study_name,
+                UID_TAG: uid,
                 TRIAL_TAG: str(trial_number),
                 ROLE_TAG: "trial",
                 STATUS_TAG: "running",
@@ -175,17 +263,19 @@ class Tracker:
         self._log_params(run.info.run_id, params)
         return run.info.run_id
 
-    def trial_metrics(self, study_name: str, trial_number: int) -> dict[str, float]:
+    @_store_call
+    def trial_metrics(self, uid: str, trial_number: int) -> dict[str, float]:
         """The metrics of a trial's FINISHED run ({} when it has none)."""
         runs = self.client.search_runs(
             [self.experiment_id],
-            f"tags.{STUDY_TAG} = '{study_name}' and tags.{ROLE_TAG} = 'trial' and tags.{TRIAL_TAG} = '{trial_number}'"
+            f"tags.{UID_TAG} = '{uid}' and tags.{ROLE_TAG} = 'trial' and tags.{TRIAL_TAG} = '{trial_number}'"
             " and attributes.status = 'FINISHED'",
             max_results=1,
         )
         return dict(runs[0].data.metrics) if runs else {}
 
-    def log_remeasure(self, parent_id: str, study_name: str, trial_number: int, params: dict[str, Any],
+    @_store_call
+    def log_remeasure(self, parent_id: str, study_name: str, uid: str, trial_number: int, params: dict[str, Any],
                       metrics: dict[str, float], round_id: int) -> str:
         """A FINISHED run for one setting's final re-measurement (role ``remeasure``, under the parent)."""
         run = self.client.create_run(
@@ -194,6 +284,7 @@ class Tracker:
             tags={
                 "mlflow.parentRunId": parent_id,
                 STUDY_TAG: study_name,
+                UID_TAG: uid,
                 TRIAL_TAG: str(trial_number),
                 ROLE_TAG: "remeasure",
                 ROUND_TAG: str(round_id),
@@ -206,24 +297,38 @@ class Tracker:
         self.client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
         return run_id
 
-    def children(self, study_name: str, status: str | None = None) -> list:
-        query = f"tags.{STUDY_TAG} = '{study_name}' and tags.{ROLE_TAG} = 'trial'"
+    @_store_call
+    def children(self, uid: str, status: str | None = None) -> list:
+        query = f"tags.{UID_TAG} = '{uid}' and tags.{ROLE_TAG} = 'trial'"
         if status:
             query += f" and attributes.status = '{status}'"
         return self.client.search_runs([self.experiment_id], query, max_results=50_000)
 
-    def kill(self, run_id: str, reason: str) -> None:
+    @_store_call
+    def kill(self, run_id: str, reason: str) -> bool:
+        if self.status(run_id) != "RUNNING":  # closed by someone else: not ours to write
+            return False
         self.client.set_tag(run_id, STATUS_TAG, "killed")
         self.client.set_tag(run_id, "killed_reason", reason)
         self.client.set_terminated(run_id, "KILLED")
+        return True
 
-    def fail(self, run_id: str, error: str) -> None:
+    @_store_call
+    def fail(self, run_id: str, error: str) -> bool:
+        if self.status(run_id) != "RUNNING":
+            return False
         self.client.set_tag(run_id, STATUS_TAG, "error")
         self.client.log_text(run_id, error, "error.txt")
         self.client.set_terminated(run_id, "FAILED")
+        return True
 
-    def finish_child(self, run_id: str, result: TrialResult, started_ms: int) -> None:
-        """Metrics, memory trace (step metrics + CSV + PNG), histogram and the result's JSON; FINISHED."""
+    @_store_call
+    def finish_child(self, run_id: str, result: TrialResult, started_ms: int) -> bool:
+        """Metrics, memory trace (step metrics + CSV + PNG), histogram and the result's JSON; FINISHED.
+
+        False, writing nothing, when the run is no longer RUNNING (closed by someone else)."""
+        if self.status(run_id) != "RUNNING":
+            return False
         metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float)) and v is not None}
         now = int(time.time() * 1000)
         entries = [Metric(k, float(v), now, 0) for k, v in metrics.items()]
@@ -246,6 +351,7 @@ class Tracker:
             (folder / "result.json").write_text(json.dumps(payload))
             self.client.log_artifacts(run_id, str(folder))
         self.client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
+        return True
 
 
 def _param_text(value: Any) -> str:

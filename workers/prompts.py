@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ class Prompt:
     text: str | None = None
     input_ids: tuple[int, ...] | None = None
     category: str | None = None
+    origin: str | None = field(default=None, compare=False)  # "file:line" or "file record i", for messages
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def _from_benchmark(record: dict[str, Any], benchmark: Benchmark, name: str, whe
     if missing:
         raise BadInputError(f"{where}: dataset '{name}' needs field '{missing[0]}' (fields here: {sorted(record)})")
     category = record.get("category") if name == "mt-bench" and record.get("category") else benchmark.category
-    return Prompt(text=benchmark.format(record), category=category)
+    return Prompt(text=benchmark.format(record), category=category, origin=where)
 
 
 def _read_records(path: Path) -> list[dict[str, Any]]:
@@ -184,12 +185,12 @@ def _parse(record: object, where: str) -> Prompt:
     if "prompt" in record:
         if not isinstance(record["prompt"], str) or not record["prompt"]:
             raise BadInputError(f"{where}: 'prompt' must be a non-empty string")
-        return Prompt(text=record["prompt"], category=category)
+        return Prompt(text=record["prompt"], category=category, origin=where)
     if "input_ids" in record:
         ids = record["input_ids"]
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
             raise BadInputError(f"{where}: 'input_ids' must be a non-empty list of non-negative ints")
-        return Prompt(input_ids=tuple(ids), category=category)
+        return Prompt(input_ids=tuple(ids), category=category, origin=where)
     raise BadInputError(f"{where}: needs a 'prompt' (text) or 'input_ids' (list of ints) field")
 
 
@@ -221,6 +222,29 @@ def encode(prompt: Prompt, tokenizer, vocab_rows: int, chat: ChatFormat = ChatFo
     if bad:
         raise BadInputError(f"prompt token ids {bad[:5]} are outside the target's {vocab_rows}-row vocabulary")
     return ids
+
+
+def check_prompts(prompts: list[Prompt], tokenizer, vocab_rows: int, max_positions: int | None, new_positions: int,
+                  chat: ChatFormat = ChatFormat()) -> None:
+    """Encode every prompt once and refuse, naming its file and line, one the target cannot run.
+
+    ``new_positions``: positions a generation adds after the prompt (max_new_tokens plus the widest
+    verify pass). Checked: the prompt has tokens, its ids fit the embedding, and prompt + new
+    positions fit the target's ``max_position_embeddings``.
+    """
+    for index, prompt in enumerate(prompts):
+        where = prompt.origin or f"prompt {index}"
+        try:
+            ids = encode(prompt, tokenizer, vocab_rows, chat)
+        except BadInputError as exc:
+            raise BadInputError(f"{where}: {exc}") from None
+        if not ids:
+            raise BadInputError(f"{where}: the prompt encodes to no tokens")
+        if max_positions is not None and len(ids) + new_positions > max_positions:
+            raise BadInputError(
+                f"{where}: the prompt's {len(ids)} tokens + {new_positions} generated and verify positions exceed "
+                f"the target's {max_positions} positions (max_position_embeddings); shorten the prompt or "
+                "lower max_new_tokens")
 
 
 def stop_token_ids(tokenizer, model_config) -> tuple[int, ...]:

@@ -153,6 +153,18 @@ def test_relative_paths_resolve_against_base(tiny_dir, tmp_path, workdir):
     assert_nothing_created(tmp_path, workdir)
 
 
+def test_a_plain_postgresql_url_names_the_installed_driver():
+    import importlib.util
+
+    from orchestrator.config import database_url
+
+    assert importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None
+    assert database_url("postgresql://u@h/db") == "postgresql+psycopg2://u@h/db"
+    assert database_url("postgres://u@h/db") == "postgresql+psycopg2://u@h/db"
+    assert database_url("postgresql+psycopg://u@h/db") == "postgresql+psycopg://u@h/db"  # an explicit driver stays
+    assert database_url("sqlite:////tmp/x.db") == "sqlite:////tmp/x.db"
+
+
 def test_hub_ids_and_non_sqlite_urls_are_left_unchanged(tiny_dir, tmp_path, workdir):
     config_dict = sweep_dict(
         tiny_dir,
@@ -168,7 +180,8 @@ def test_hub_ids_and_non_sqlite_urls_are_left_unchanged(tiny_dir, tmp_path, work
 
     assert config.target.model == "Qwen/Qwen3-8B"
     assert config.drafter.model == "z-lab/Qwen3-8B-DFlash-b16"
-    assert config.storage == "postgresql://user:pw@db.example:5432/optuna"
+    # the one change: a plain postgresql:// gets the installed driver (SQLAlchemy 2.1 would assume psycopg 3)
+    assert config.storage == "postgresql+psycopg2://user:pw@db.example:5432/optuna"
     assert config.mlflow.tracking_uri == "http://127.0.0.1:5000"
 
 

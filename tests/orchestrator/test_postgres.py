@@ -1,19 +1,23 @@
-"""Optuna storage on a real PostgreSQL server (started by the test on 127.0.0.1), resumed once."""
+"""Optuna storage on a real PostgreSQL server (started by the test on 127.0.0.1): a plain
+``postgresql://`` URL (SQLAlchemy 2.1 reads it as psycopg 3; the driver picks the installed one),
+a resume, and the advisory lock that refuses a second driver on the same study."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import optuna
 import pytest
 from optuna.trial import TrialState
 
-from tests.orchestrator.conftest import run_sweep, sweep_dict, write_sweep
+from tests.orchestrator.conftest import run_sweep, start_sweep, sweep_dict, write_sweep
 
 pytestmark = pytest.mark.sweep
 
@@ -46,7 +50,7 @@ def postgres_url():
     options = f"-p {port} -c listen_addresses=127.0.0.1 -k {data}"
     subprocess.run(_as_server_user([PG_CTL, "-D", str(data), "-o", options, "-l", str(data / "log"), "-w", "start"]),
                    check=True, capture_output=True)
-    url = f"postgresql+psycopg2://postgres@127.0.0.1:{port}/postgres"
+    url = f"postgresql://postgres@127.0.0.1:{port}/postgres"  # as users write it: no driver named
     try:
         yield url
     finally:
@@ -62,6 +66,33 @@ def test_sweep_on_postgresql_storage_resumes(tiny_dir, tmp_path, postgres_url):
     more = write_sweep(tmp_path / "more.yaml", sweep_dict(tiny_dir, runs, n_trials=2, storage=postgres_url))
     proc = run_sweep(more)  # the same study, resumed from PostgreSQL
     assert proc.returncode == 0, proc.stderr[-3000:]
-    study = optuna.load_study(study_name="test-sweep", storage=postgres_url)
+    study = optuna.load_study(study_name="test-sweep", storage=postgres_url.replace("postgresql:", "postgresql+psycopg2:"))
     assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.COMPLETE]
     assert not (runs / "optuna.db").exists()
+
+
+def test_a_second_driver_on_a_postgresql_study_is_refused(tiny_dir, tmp_path, postgres_url):
+    from orchestrator.config import database_url
+
+    runs = tmp_path / "runs"
+    config = sweep_dict(tiny_dir, runs, n_trials=50, storage=postgres_url)  # still running when the second starts
+    config["prompts"]["max_new_tokens"] = 32
+    sweep = write_sweep(tmp_path / "sweep.yaml", config)
+    first = start_sweep(sweep)
+    storage = database_url(postgres_url)
+    deadline = time.time() + 300
+    while not optuna.get_all_study_summaries(storage) or not optuna.load_study(
+            study_name="test-sweep", storage=storage).trials:  # it holds the lock and runs a trial
+        assert first.poll() is None and time.time() < deadline, first.communicate()[1][-3000:]
+        time.sleep(0.3)
+    second = run_sweep(sweep, timeout=120)
+    assert second.returncode == 3, second.stderr[-3000:]
+    [line] = [ln for ln in second.stderr.splitlines() if ln.startswith("orchestrator.sweep:")]
+    assert "being run by another driver" in line and f"pid {first.pid} on " in line, line
+    assert "postgres@127.0.0.1" in line and "Traceback" not in second.stderr
+    assert first.poll() is None  # the refusal wrote nothing the first driver trips over
+    os.killpg(first.pid, signal.SIGINT)
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 130, err[-3000:]
+    states = {t.state for t in optuna.load_study(study_name="test-sweep", storage=storage).trials}
+    assert TrialState.RUNNING not in states and TrialState.COMPLETE in states

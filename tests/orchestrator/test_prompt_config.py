@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from orchestrator.config import thinking_warning
+from orchestrator.config import load_sweep, thinking_warning
 from orchestrator.sweep import main, validate
 from tests.orchestrator.conftest import sweep_dict, write_sweep
 from workers.errors import BadInputError
@@ -18,10 +18,14 @@ def test_named_dataset_from_a_local_copy(tiny_dir, tmp_path):
     config = sweep_dict(tiny_dir, tmp_path / "runs")
     config["prompts"] = {"dataset": "gsm8k", "path": str(local), "limit": 4, "seed": 3, "max_new_tokens": 8,
                          "chat_template": False}
-    loaded = validate(write_sweep(tmp_path / "sweep.yaml", config))
+    path = write_sweep(tmp_path / "sweep.yaml", config)
+    loaded = load_sweep(path)
     prompts = load_source(loaded.prompts.source())
     assert len(prompts) == 4 and all(p.category == "math" and "\\boxed{}" in p.text for p in prompts)
     assert prompts == load_source(loaded.prompts.source())  # the seeded sample is stable
+    # text prompts, and the tiny target has no tokenizer: refused before anything starts, naming the record
+    with pytest.raises(BadInputError, match=rf"{local} record \d+: a text prompt needs a tokenizer"):
+        validate(path)
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from workers.decoding.knobs import ARParams
 from workers.decoding.tree import TreeParams
 from workers.errors import BadInputError
 from workers.prompts import (
@@ -199,3 +200,28 @@ def test_bench_cli_with_a_local_dataset_and_stop_override(chat_target, tmp_path)
     payload = json.loads(proc.stdout)
     assert len(payload["outputs"]) == 2 and payload["metrics"]["tau.code"] is not None
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_a_target_without_tokenizer_files_gets_no_stand_in_tokenizer(tmp_path):
+    """transformers 5 returns a one-token stand-in (eos id 0) for a folder without tokenizer files;
+    the worker must not take it, or id 0 becomes a stop token and outputs are silently cut short."""
+    from workers.models.loading import has_tokenizer_files, load_tokenizer
+
+    target_dir, _ = write_tiny_pair(tmp_path, TinyShape())
+    for name in ("config.json", "generation_config.json"):  # eos 31: the model's own stop token, not 0
+        path = target_dir / name
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"eos_token_id": 31}))
+    assert not has_tokenizer_files(str(target_dir))
+    assert load_tokenizer(str(target_dir)) is None
+    worker = Worker(WorkerConfig(target=str(target_dir), dtype="float32", device="cpu")).load()
+    assert worker.tokenizer is None
+    prompts = tuple(Prompt(input_ids=tuple(range(1 + k, 9 + k))) for k in range(8))
+    # sampled, so that id 0 turns up among the 8 x 24 tokens (a fixed seed: the same tokens every run)
+    spec = TrialSpec(ARParams(), prompts, max_new_tokens=24, temperature=1.0, seed=3, baseline=False, warmup=False)
+    _, gen = worker._prepare(spec)
+    assert gen.stop_token_ids == (31,)
+    result = worker.run_trial(spec)
+    assert result.status == "ok", result.error
+    outputs = [o.token_ids for o in result.outputs]
+    assert any(0 in ids[:-1] for ids in outputs), outputs  # id 0 is generated and does not stop anything
+    assert all(len(ids) == 24 or ids[-1] == 31 for ids in outputs), outputs
