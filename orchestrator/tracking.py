@@ -490,6 +490,6 @@ def environment_params(actor_infos: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _safe_url(url: str) -> str:
-    from orchestrator.study import _hide_password
+    from orchestrator.study import hide_password
 
-    return url if url.startswith("sqlite:") else _hide_password(url)
+    return url if url.startswith("sqlite:") else hide_password(url)
