@@ -50,6 +50,7 @@ from orchestrator.tracking import (
     ROUND_TAG,
     STATUS_TAG,
     TRIAL_TAG,
+    UID_TAG,
     StoreError,
     Tracker,
     environment_params,
@@ -211,8 +212,10 @@ class Driver:
             with self.signals.critical():
                 self._attach_parent(with_params=False)
                 self.tracker.finish_parent(self.parent_id, "FINISHED", self._summary())
+        remeasured = parent is not None and parent.data.tags.get("final_state") == "done"
         self.progress.note(f"done: {studies.count_complete(self.study)} complete trials in '{self.study_name}' "
-                           f"({studies.target_complete(self.config)} wanted); nothing left to run")
+                           f"({studies.target_complete(self.config)} wanted); nothing left to run"
+                           + ("; its best settings were already re-measured" if remeasured else ""))
         return EXIT_OK
 
     def _start_ray(self) -> None:
@@ -488,7 +491,8 @@ class Driver:
     def _recorded_final(self, round_id: int, numbers: str) -> dict[str, Any]:
         runs = self.tracker.client.search_runs(
             [self.tracker.experiment_id],
-            f"tags.sweep_study = '{self.study_name}' and tags.sweep_role = 'remeasure' and tags.{ROUND_TAG} = '{round_id}'",
+            f"tags.{UID_TAG} = '{studies.study_uid(self.study)}' and tags.sweep_role = 'remeasure' "
+            f"and tags.{ROUND_TAG} = '{round_id}'",
             max_results=1000,
         )
         self.progress.note(f"the best settings (trials {numbers}) were already re-measured (round {round_id})")
