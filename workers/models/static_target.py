@@ -1,9 +1,9 @@
 """The target seam on static buffers with our own decoder loop: hybrids, and CUDA graphs for every model.
 
-``StaticTarget`` runs the decoder layers itself, reusing the model's own modules for everything that
-is per token (norms, projections, MLP / MoE, attention with its gate and partial rotary) and
-replacing only the token mixing of Gated DeltaNet layers with ``workers.models.deltanet``'s tree form, in
-which every node continues its parent's conv window and recurrent state. transformers' own forward
+``StaticTarget`` runs the decoder layers itself (this module is the loop and the state): plain
+attention layers as ``FusedLayer``, the token mixing of Gated DeltaNet layers as ``GDNLayer``
+(``workers.models.gdn_layer``: every node continues its parent's conv window and recurrent state),
+and everything else through the model's own modules (norms, MLP / MoE, gated attention). transformers' own forward
 cannot do that: its linear-attention layers ignore a 4-D mask (siblings leak into each other's
 state) and its hybrid cache cannot be rolled back. For attention-only models the same loop gives
 static K/V buffers and a forward whose every tensor has a fixed address, which is what a CUDA graph
@@ -31,21 +31,13 @@ import inspect
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from workers.errors import UnsupportedModelError
 from workers.models.attention import grouped_attention_in
-from workers.models.deltanet import (
-    PendingLayer,
-    conv_lag_index,
-    head_group_for,
-    state_after,
-    tree_conv,
-    tree_delta_rule,
-    window_after,
-)
+from workers.models.deltanet import PendingLayer, head_group_for
 from workers.models.fused_layer import PassInputs, fused_layer_for
+from workers.models.gdn_layer import GDNLayer
 from workers.models.graph_cache import GraphCache, capture
 from workers.seam import DraftTree, VerifyOutput, check_supported, text_config
 
@@ -123,6 +115,7 @@ class StaticTarget:
         self._run_layers = torch.compile(self._layers, dynamic=False) if compile_layers else self._layers
         # plain attention layers run as FusedLayer (few kernels); others through transformers' modules
         self.fused = {i: fused_layer_for(self.layers[i], self.config) for i in self.attention_ids}
+        self.gdn = {i: GDNLayer(self.layers[i].linear_attn) for i in self.linear_ids}
         if self.attention_ids:  # transformers renamed the attention modules' ``past_key_values`` to ``cache``
             params = inspect.signature(self.layers[self.attention_ids[0]].self_attn.forward).parameters
             self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -169,11 +162,7 @@ class StaticTarget:
         self.conv_windows: dict[int, torch.Tensor] = {}
         self.states: dict[int, torch.Tensor] = {}
         for i in self.linear_ids:
-            mixer = self.layers[i].linear_attn
-            window = mixer.conv_kernel_size - 1
-            self.conv_windows[i] = torch.zeros(window, mixer.conv_dim, dtype=self.dtype, device=self.layer_devices[i])
-            shape = (mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim)
-            self.states[i] = torch.zeros(shape, dtype=torch.float32, device=self.layer_devices[i])
+            self.conv_windows[i], self.states[i] = self.gdn[i].new_state(self.dtype, self.layer_devices[i])
         # the verify pass's inputs: sliced to q nodes in eager mode, read whole by a graph of width q
         self._ids = torch.zeros(max_verify, dtype=torch.long, device=device)
         self._depths = torch.zeros(max_verify, dtype=torch.long, device=device)
@@ -254,18 +243,8 @@ class StaticTarget:
         # accepted K/V rows move to the slots after the committed past
         self.kv.move(length + self._kept[:count], length + self._columns[:count])
         for i in self.linear_ids:  # replay the accepted path as a chain from the committed state
-            pending, path = self.pending[i], self._kept[:count].to(self.layer_devices[i])
-            mixer = self.layers[i].linear_attn
-            window = mixer.conv_kernel_size - 1
-            parents, visible = _chain(count, path.device)
-            _, (keys, deltas, G), _ = self._delta_rule(
-                i, mixer, pending.extended[window + path], pending.log_gate[path], pending.beta[path],
-                conv_lag_index(parents, window), visible, head_group=None, with_outputs=False,
-            )
-            new_state = state_after(self.states[i], keys, deltas, G, torch.arange(count, device=path.device))
-            new_window = window_after(pending.extended, pending.lag_index, path[-1:])
-            self.states[i].copy_(new_state)  # in place: captured graphs read these tensors
-            self.conv_windows[i].copy_(new_window)
+            path = self._kept[:count].to(self.layer_devices[i])
+            self.gdn[i].commit(self.pending[i], path, self.conv_windows[i], self.states[i])
 
     # -- internals ---------------------------------------------------------------------------------
     def _verify(self, ids, depths, parents, visible, chain: bool = False) -> VerifyOutput:
@@ -357,7 +336,9 @@ class StaticTarget:
         """One decoder layer through transformers' own modules (linear attention: our tree form)."""
         mixed = layer.input_layernorm(hidden)
         if self.layer_types[i] == "linear_attention":
-            mixed = self._linear_attention(i, layer.linear_attn, mixed, on["parents"], on["visible"], head_group)
+            mixed, self.pending[i] = self.gdn[i](mixed, on["parents"], on["visible"], self.conv_windows[i],
+                                                 self.states[i], head_group)
+            self.state_bytes += self.pending[i].nbytes()
         else:
             kwargs = {self._cache_kwarg: self.kv}
             mixed = layer.self_attn(
@@ -378,55 +359,11 @@ class StaticTarget:
         mask = torch.full((q, attend), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
         return mask.masked_fill_(allowed, 0.0)[None, None]
 
-    def _linear_attention(self, i, mixer, hidden, parents, visible, head_group) -> torch.Tensor:
-        """One Gated DeltaNet layer over the pass's nodes: [1, q, H] -> [1, q, H]."""
-        q = hidden.shape[1]
-        mixed_qkv, z, b, a = _project(mixer, hidden[0])
-        beta = b.sigmoid()
-        log_gate = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)  # [q, H] <= 0
-        lag_index = conv_lag_index(parents, mixer.conv_kernel_size - 1)
-        out, _, extended = self._delta_rule(i, mixer, mixed_qkv, log_gate, beta, lag_index, visible, head_group)
-        self.pending[i] = PendingLayer(extended, lag_index, log_gate, beta)
-        self.state_bytes += self.pending[i].nbytes()
-        out = mixer.norm(out.to(hidden.dtype).reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
-        return mixer.out_proj(out.reshape(1, q, -1))
-
-    def _delta_rule(self, i, mixer, conv_inputs, log_gate, beta, lag_index, visible, head_group, with_outputs=True):
-        """Conv + gated delta rule from layer i's committed state over nodes shaped by (lag_index,
-        visible); returns (outputs [q, H, dv] or None, (keys, deltas, G) for ``state_after``, conv inputs)."""
-        q = conv_inputs.shape[0]
-        weight = mixer.conv1d.weight[:, 0, :]  # [C, K]
-        conv_out, extended = tree_conv(conv_inputs, self.conv_windows[i], weight, mixer.conv1d.bias, lag_index)
-        query, key, value = torch.split(
-            conv_out.to(conv_inputs.dtype), [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1
-        )
-        query = query.reshape(q, -1, mixer.head_k_dim)
-        key = key.reshape(q, -1, mixer.head_k_dim)
-        value = value.reshape(q, -1, mixer.head_v_dim)
-        out, keys, deltas, G = tree_delta_rule(
-            query, key, value, log_gate, beta, self.states[i], visible, head_group, with_outputs
-        )
-        return out, (keys, deltas, G), extended
-
     def _taps(self, captured: dict[int, torch.Tensor]) -> torch.Tensor:
         if not self.tap_layer_ids:
             return torch.empty(0)
         device = self.tap_device or captured[self.tap_layer_ids[0]].device
         return torch.cat([captured[i].to(device) for i in self.tap_layer_ids], dim=-1)
-
-
-def _project(mixer: nn.Module, hidden: torch.Tensor):
-    """(conv input [q, C], z [q, H, dv], b [q, H], a [q, H]) for Qwen3.5's split projections or
-    Qwen3-Next's fused, per-key-head interleaved ones."""
-    q = hidden.shape[0]
-    if hasattr(mixer, "in_proj_qkvz"):
-        query, key, value, z, b, a = mixer.fix_query_key_value_ordering(
-            mixer.in_proj_qkvz(hidden[None]), mixer.in_proj_ba(hidden[None])
-        )
-        mixed = torch.cat([x.reshape(q, -1) for x in (query, key, value)], dim=-1)
-        return mixed, z[0], b[0], a[0]
-    z = mixer.in_proj_z(hidden).reshape(q, -1, mixer.head_v_dim)
-    return mixer.in_proj_qkv(hidden), z, mixer.in_proj_b(hidden), mixer.in_proj_a(hidden)
 
 
 def _chain(q: int, device) -> tuple[torch.Tensor, torch.Tensor]:
