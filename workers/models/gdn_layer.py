@@ -20,8 +20,10 @@ from torch import nn
 
 from workers.models.deltanet import (
     PendingLayer,
+    TreeShape,
+    chain_conv,
+    chain_delta_rule,
     conv_lag_index,
-    state_after,
     tree_conv,
     tree_delta_rule,
     window_after,
@@ -42,50 +44,57 @@ class GDNLayer:
         return (torch.zeros(self.window, self.conv_dim, dtype=dtype, device=device),
                 torch.zeros(self.state_shape, dtype=torch.float32, device=device))
 
-    def __call__(self, hidden: torch.Tensor, parents: torch.Tensor, visible: torch.Tensor,
-                 conv_window: torch.Tensor, state: torch.Tensor, head_group: int | None):
-        """hidden [1, q, H] (after the input norm) -> (mixed [1, q, H], what the commit needs)."""
+    def __call__(self, hidden: torch.Tensor, shape: TreeShape, conv_window: torch.Tensor, state: torch.Tensor,
+                 commit: bool = False):
+        """hidden [1, q, H] (after the input norm) -> (mixed [1, q, H], PendingLayer or None).
+
+        ``commit`` (the prompt: a chain kept whole) advances (conv_window, state) in place over all
+        nodes and keeps nothing; otherwise the pass leaves the state alone and returns what
+        ``commit`` needs to replay any accepted path.
+        """
         mixer, q = self.mixer, hidden.shape[1]
-        mixed_qkv, z, b, a = _project(mixer, hidden[0])
+        conv_inputs, z, b, a = _project(mixer, hidden[0])
         beta = b.sigmoid()
         log_gate = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)  # [q, H] <= 0
-        lag_index = conv_lag_index(parents, self.window)
-        out, _, extended = self._delta_rule(mixed_qkv, log_gate, beta, lag_index, visible, conv_window, state,
-                                            head_group)
-        pending = PendingLayer(extended, lag_index, log_gate, beta)
+        weight, bias = mixer.conv1d.weight[:, 0, :], mixer.conv1d.bias  # [C, K]
+        if shape.chain:
+            conv_out, extended = chain_conv(conv_inputs, conv_window, weight, bias)
+        else:
+            conv_out, extended = tree_conv(conv_inputs, conv_window, weight, bias, shape.lag_index)
+        query, key, value = self._heads(conv_out.to(conv_inputs.dtype))
+        if shape.ancestors is None or commit:  # a chain: the chunked form
+            out, new_state = chain_delta_rule(query, key, value, log_gate, beta, state, with_outputs=True)
+        else:
+            out = tree_delta_rule(query, key, value, log_gate, beta, state, shape.ancestors)
+        pending = None
+        if commit:
+            state.copy_(new_state)
+            conv_window.copy_(extended[extended.shape[0] - self.window :])
+        else:
+            pending = PendingLayer(extended, shape.lag_index, log_gate, beta)
         out = mixer.norm(out.to(hidden.dtype).reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
         return mixer.out_proj(out.reshape(1, q, -1)), pending
 
     def commit(self, pending: PendingLayer, path: torch.Tensor, conv_window: torch.Tensor, state: torch.Tensor) -> None:
-        """Advance (conv_window, state) in place over the nodes ``path`` (root ... accepted node)."""
-        count, window = path.shape[0], self.window
+        """Advance (conv_window, state) in place over the nodes ``path`` (root ... accepted node) of
+        the pass that left ``pending``: the path replayed as a chain from the committed state."""
+        mixer, count, window = self.mixer, path.shape[0], self.window
         parents = torch.arange(-1, count - 1, device=path.device)
-        visible = torch.ones(count, count, dtype=torch.bool, device=path.device).tril()
-        _, (keys, deltas, G), _ = self._delta_rule(
-            pending.extended[window + path], pending.log_gate[path], pending.beta[path],
-            conv_lag_index(parents, window), visible, conv_window, state, head_group=None, with_outputs=False,
-        )
-        new_state = state_after(state, keys, deltas, G, torch.arange(count, device=path.device))
+        conv_out, _ = tree_conv(pending.extended[window + path], conv_window, mixer.conv1d.weight[:, 0, :],
+                                mixer.conv1d.bias, conv_lag_index(parents, window))
+        query, key, value = self._heads(conv_out.to(pending.extended.dtype))
+        _, new_state = chain_delta_rule(query, key, value, pending.log_gate[path], pending.beta[path], state,
+                                        with_outputs=False)
         new_window = window_after(pending.extended, pending.lag_index, path[-1:])
         state.copy_(new_state)  # in place: captured graphs read these tensors
         conv_window.copy_(new_window)
 
-    def _delta_rule(self, conv_inputs, log_gate, beta, lag_index, visible, conv_window, state, head_group,
-                    with_outputs=True):
-        """Conv + gated delta rule from the committed state over nodes shaped by (lag_index, visible);
-        returns (outputs [q, H, dv] or None, (keys, deltas, G) for ``state_after``, conv inputs)."""
-        mixer, q = self.mixer, conv_inputs.shape[0]
-        weight = mixer.conv1d.weight[:, 0, :]  # [C, K]
-        conv_out, extended = tree_conv(conv_inputs, conv_window, weight, mixer.conv1d.bias, lag_index)
-        query, key, value = torch.split(
-            conv_out.to(conv_inputs.dtype), [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1
-        )
-        query = query.reshape(q, -1, mixer.head_k_dim)
-        key = key.reshape(q, -1, mixer.head_k_dim)
-        value = value.reshape(q, -1, mixer.head_v_dim)
-        out, keys, deltas, G = tree_delta_rule(query, key, value, log_gate, beta, state, visible, head_group,
-                                               with_outputs)
-        return out, (keys, deltas, G), extended
+    def _heads(self, conv_out: torch.Tensor):
+        """query, key [q, Hk, dk] and value [q, H, dv] from the conv output [q, C]."""
+        mixer, q = self.mixer, conv_out.shape[0]
+        query, key, value = torch.split(conv_out, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
+        return (query.reshape(q, -1, mixer.head_k_dim), key.reshape(q, -1, mixer.head_k_dim),
+                value.reshape(q, -1, mixer.head_v_dim))
 
 
 def _project(mixer: nn.Module, hidden: torch.Tensor):

@@ -13,7 +13,9 @@ State per sequence: a preallocated K/V buffer per attention layer, and per linea
 window [K-1, C] and recurrent state [H, dk, dv], all updated in place. A verify pass writes its K/V
 after the committed past and leaves each node's conv input, decay and beta (``PendingLayer``);
 ``commit`` moves the accepted K/V rows into place and replays the accepted path as a short chain
-from the committed linear state. The prompt goes through the same pass in chunks (a chain each).
+from the committed linear state. The prompt goes through the same loop in chunks, each a chain kept
+whole: its GDN layers take the chunked delta rule and one batched conv and advance their state inside
+the pass, so nothing is replayed.
 
 With ``graphs=True`` (CUDA), a verify pass of q nodes is captured once as a CUDA graph and then
 replayed: its inputs (ids, depths, parents, visibility, committed length) are copied into static
@@ -35,7 +37,7 @@ from torch import nn
 
 from workers.errors import UnsupportedModelError
 from workers.models.attention import grouped_attention_in
-from workers.models.deltanet import PendingLayer, head_group_for
+from workers.models.deltanet import MAX_PATH, PendingLayer, TreeShape
 from workers.models.fused_layer import PassInputs, fused_layer_for
 from workers.models.gdn_layer import GDNLayer
 from workers.models.graph_cache import GraphCache, capture
@@ -88,7 +90,7 @@ class StaticTarget:
         model: nn.Module,
         tap_layer_ids: tuple[int, ...] = (),
         tap_device: torch.device | None = None,
-        prefill_chunk: int = 256,
+        prefill_chunk: int = 1024,
         graphs: bool = False,
         compile_layers: bool = False,
     ) -> None:
@@ -173,13 +175,13 @@ class StaticTarget:
         self._columns = torch.arange(capacity, device=device)
         # verify graphs by pass width (a few kept), commit graphs by (width, path length)
         self._graphs = GraphCache(MAX_VERIFY_GRAPHS, on_evict=self._drop_commit_graphs)
-        self._commit_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._graph_width: int | None = None  # width of the last pass if it was a graph replay
+        self._commit_graphs: dict[tuple[tuple[int, bool], int], torch.cuda.CUDAGraph] = {}
+        self._graph_width: tuple[int, bool] | None = None  # (width, long chain) of the last pass if replayed
         self._chains: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # q -> depths, parents, visible
         self._buffers_hold_chain: int | None = None  # width of the chain whose shape the input buffers hold
 
-    def _drop_commit_graphs(self, width: int) -> None:
-        for key in [key for key in self._commit_graphs if key[0] == width]:
+    def _drop_commit_graphs(self, graph_key: tuple[int, bool]) -> None:
+        for key in [key for key in self._commit_graphs if key[0] == graph_key]:
             del self._commit_graphs[key]
 
     # -- forwards ----------------------------------------------------------------------------------
@@ -190,8 +192,10 @@ class StaticTarget:
             chunk = input_ids[0, begin : begin + self.prefill_chunk].to(self.device)
             q = chunk.shape[0]
             parents, visible = _chain(q, self.device)
-            out = self._forward(chunk, torch.arange(q, device=self.device), parents, visible, last_only=True)
-            self.commit(torch.arange(q))
+            # a chain kept whole: GDN layers advance their state inside the pass, K/V rows are already in place
+            out = self._forward(chunk, torch.arange(q, device=self.device), parents, visible, last_only=True,
+                                chain=True, commit=True)
+            self.length += q
             taps.append(out.taps)
             logits = out.logits
         self.peak_state_bytes = 0  # the metric is about verify rounds, not the prompt
@@ -248,9 +252,11 @@ class StaticTarget:
 
     # -- internals ---------------------------------------------------------------------------------
     def _verify(self, ids, depths, parents, visible, chain: bool = False) -> VerifyOutput:
-        if not self.graphs:
-            return self._forward(ids, depths, parents, visible, last_only=False)
         q = ids.shape[0]
+        # a chain too long for the tree form goes through GDN layers in chunked form: its own graphs
+        long_chain = chain and q > MAX_PATH
+        if not self.graphs:
+            return self._forward(ids, depths, parents, visible, last_only=False, chain=long_chain)
         self._ids[:q].copy_(ids)
         # every small copy before a replay is a launch the idle GPU waits for: a chain's shape is
         # copied only when the buffers do not already hold the chain of this width
@@ -260,30 +266,33 @@ class StaticTarget:
             self._visible[:q, :q].copy_(visible)
             self._buffers_hold_chain = q if chain else None
         self._length.fill_(self.length)
-        if q not in self._graphs:
+        key = (q, long_chain)
+        if key not in self._graphs:
             try:
-                self._graphs[q] = self._capture(q)
+                self._graphs[key] = self._capture(q, long_chain)
             except RuntimeError as exc:  # e.g. MoE routing with data-dependent shapes cannot be captured
                 warnings.warn(f"CUDA graph capture failed ({type(exc).__name__}: {str(exc)[:200]}); running eagerly",
                               stacklevel=2)
                 self.graphs = False
-                return self._forward(ids, depths, parents, visible, last_only=False)
-        graph, out, pending, state_bytes = self._graphs[q]
+                return self._forward(ids, depths, parents, visible, last_only=False, chain=long_chain)
+        graph, out, pending, state_bytes = self._graphs[key]
         graph.replay()
-        self._graph_width = q
+        self._graph_width = key
         self.pending, self.state_bytes = dict(pending), state_bytes
         self.peak_state_bytes = max(self.peak_state_bytes, state_bytes)
         return out
 
-    def _capture(self, q: int):
+    def _capture(self, q: int, chain: bool):
         """Record the width-q pass reading the static inputs; returns (graph, outputs, pending, state bytes)."""
         static = (self._ids[:q], self._depths[:q], self._parents[:q], self._visible[:q, :q])
         # the warm-ups write K/V only after the committed past, which is free space
-        graph, out = capture(lambda: self._forward(*static, last_only=False, attend=self.capacity))
+        graph, out = capture(lambda: self._forward(*static, last_only=False, attend=self.capacity, chain=chain))
         return graph, out, dict(self.pending), self.state_bytes
 
-    def _forward(self, ids, depths, parents, visible, last_only: bool, attend: int | None = None) -> VerifyOutput:
-        """One pass over q nodes after the committed past. ``attend`` = K/V slots read (graphs: all)."""
+    def _forward(self, ids, depths, parents, visible, last_only: bool, attend: int | None = None,
+                 chain: bool = False, commit: bool = False) -> VerifyOutput:
+        """One pass over q nodes after the committed past. ``attend`` = K/V slots read (graphs: all);
+        ``chain``: the nodes are a line; ``commit``: GDN layers keep all of them (the prompt)."""
         q = ids.shape[0]
         self._graph_width = None
         if attend is None:  # eager: the committed length is known on the host
@@ -300,17 +309,19 @@ class StaticTarget:
             positions = positions.unsqueeze(0).expand(3, 1, q)
         cos, sin = self.rotary(hidden, positions)
         mask = self._attention_mask(length, visible, attend)
-        shared = {"cos": cos, "sin": sin, "mask": mask, "parents": parents, "visible": visible}
+        shared = {"cos": cos, "sin": sin, "mask": mask}
+        if self.linear_ids:
+            window = self.gdn[self.linear_ids[0]].window
+            shared["tree"] = TreeShape.build(parents, window, chain)
         if any(self.fused.values()):
             groups = self.config.num_attention_heads // self.config.num_key_value_heads
             shared["fused"] = PassInputs.build(cos, sin, self.kv.slots, mask[0, 0], groups)
         per_device = _PerDevice(**shared)
-        head_group = head_group_for(q)
 
         captured: dict[int, torch.Tensor] = {}
         self.state_bytes = 0
         with grouped_attention_in(self.config):
-            hidden = self._run_layers(hidden, per_device, head_group, captured)
+            hidden = self._run_layers(hidden, per_device, captured, commit)
         if last_only:
             hidden = hidden[:, -1:]
         hidden = self.norm(hidden.to(self.norm.weight.device))
@@ -318,7 +329,7 @@ class StaticTarget:
         self.peak_state_bytes = max(self.peak_state_bytes, self.state_bytes)
         return VerifyOutput(logits=logits, taps=self._taps(captured))
 
-    def _layers(self, hidden, per_device: _PerDevice, head_group: int, captured: dict) -> torch.Tensor:
+    def _layers(self, hidden, per_device: _PerDevice, captured: dict, commit: bool) -> torch.Tensor:
         """The decoder layers over the pass's hidden states [1, q, H]; fills ``captured`` with taps."""
         for i, layer in enumerate(self.layers):
             on = per_device.get(self.layer_devices[i])
@@ -327,18 +338,19 @@ class StaticTarget:
             if fused is not None:
                 hidden = fused(hidden, on["fused"], self.kv.pairs[i], self.kv.attend)
             else:
-                hidden = self._module_layer(i, layer, hidden, on, head_group)
+                hidden = self._module_layer(i, layer, hidden, on, commit)
             if i in self.tap_layer_ids:
                 captured[i] = hidden
         return hidden
 
-    def _module_layer(self, i: int, layer: nn.Module, hidden: torch.Tensor, on: dict, head_group: int) -> torch.Tensor:
+    def _module_layer(self, i: int, layer: nn.Module, hidden: torch.Tensor, on: dict, commit: bool) -> torch.Tensor:
         """One decoder layer through transformers' own modules (linear attention: our tree form)."""
         mixed = layer.input_layernorm(hidden)
         if self.layer_types[i] == "linear_attention":
-            mixed, self.pending[i] = self.gdn[i](mixed, on["parents"], on["visible"], self.conv_windows[i],
-                                                 self.states[i], head_group)
-            self.state_bytes += self.pending[i].nbytes()
+            mixed, pending = self.gdn[i](mixed, on["tree"], self.conv_windows[i], self.states[i], commit)
+            if pending is not None:
+                self.pending[i] = pending
+                self.state_bytes += pending.nbytes()
         else:
             kwargs = {self._cache_kwarg: self.kv}
             mixed = layer.self_attn(
