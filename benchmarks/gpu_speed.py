@@ -81,6 +81,7 @@ def main() -> int:
     parser.add_argument("--compile", action="store_true", help="also time torch.compile'd layers under graphs")
     parser.add_argument("--only-forwards", action="store_true", help="stop after the verify table")
     parser.add_argument("--qs", default=QS, help="verify widths, comma-separated")
+    parser.add_argument("--profile", default="", help="tree widths whose graph pass is profiled by kernel, comma-separated")
     args = parser.parse_args()
     device = torch.device("cuda")
     lines: list[str] = []
@@ -150,6 +151,15 @@ def main() -> int:
             lines.append(f"{q:>5} {mask:>5} {row[0]:>9.2f} {row[1]:>9.2f} {row[2]:>9.2f} {floor_ms:>8.2f} "
                          f"{compute_floor_ms(q):>8.2f} {row[2] / floor:>10.2f}x {fused:>18}")
 
+    for q in (int(q) for q in args.profile.split(",") if q):
+        from forward_anatomy import kernel_breakdown  # a sibling script: benchmarks/ is on sys.path
+
+        graphed.start(capacity=args.context + 600, max_verify=max(qs))
+        graphed.prefill(prompt)
+        tree = random_tree(vocab, q).to(device) if q > 1 else None
+        call = (lambda t=tree: graphed.verify_tree(prompt[0, 0], t)) if tree else (lambda: graphed.verify_chain(prompt[0, :1]))
+        kernel_breakdown(call, f"graph verify q={q}", lines, top=12)
+
     # --- the prompt --------------------------------------------------------------------------------------
     def prefill_once():
         eager.start(capacity=args.context + 600, max_verify=max(qs))
@@ -158,6 +168,10 @@ def main() -> int:
     prefill_ms = median_ms(prefill_once, 3)
     lines.append(f"prefill {args.context} tokens: {prefill_ms:.1f} ms (chunks of {eager.prefill_chunk}); compute floor "
                  f"{compute_floor_ms(args.context):.1f} ms -> {prefill_ms / compute_floor_ms(args.context):.2f}x")
+    if args.profile:
+        from forward_anatomy import kernel_breakdown
+
+        kernel_breakdown(prefill_once, f"prefill {args.context}", lines, top=12)
 
     if args.only_forwards:
         print("\n".join(lines))
