@@ -163,29 +163,50 @@ def tree_delta_rule(
     beta: torch.Tensor,  # [q, H]
     state: torch.Tensor,  # [H, dk, dv] committed recurrent state (float32)
     ancestors: torch.Tensor,  # [q, P] from ancestor_table
-    use_triton: bool | None = None,  # None: on CUDA when Triton imports
+    use_triton: bool | None = None,  # None: on CUDA when Triton imports and the head sizes fit its tiles
 ) -> torch.Tensor:
     """Outputs [q, H, dv] (float32) of every node, each from its own path; see the module docstring."""
-    q, num_heads = value.shape[:2]
-    repeat = num_heads // query.shape[1]  # grouped heads: each q/k head serves `repeat` value heads
-    q_, k_ = _normalized(query, key, repeat)
-    sentinel = torch.zeros(num_heads, 1, dtype=torch.float32, device=value.device)
+    dk = query.shape[-1]
+    q_ = (l2_normalize(query.float()) * dk**-0.5).transpose(0, 1)  # [Hk, q, dk]
+    k_ = l2_normalize(key.float()).transpose(0, 1)
+    return tree_delta_rule_normalized(q_, k_, value.float().transpose(0, 1), log_gate, beta, state, ancestors,
+                                      use_triton)
+
+
+def tree_delta_rule_normalized(
+    q_: torch.Tensor,  # [Hk, q, dk] float32, l2-normalised and scaled by dk^-1/2
+    k_: torch.Tensor,  # [Hk, q, dk] float32, l2-normalised
+    v_: torch.Tensor,  # [H, q, dv] float32
+    log_gate: torch.Tensor,  # [q, H]
+    beta: torch.Tensor,  # [q, H]
+    state: torch.Tensor,  # [H, dk, dv]
+    ancestors: torch.Tensor,  # [q, P]
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """``tree_delta_rule`` after the l2 norms, heads first (what the conv prologue kernel writes)."""
+    key_heads, q, dk = k_.shape
+    num_heads, dv = v_.shape[0], v_.shape[-1]
+    repeat = num_heads // key_heads  # grouped heads: each q/k head serves `repeat` value heads
+    sentinel = torch.zeros(num_heads, 1, dtype=torch.float32, device=v_.device)
     G = torch.cat((log_gate.float().T, sentinel), dim=1)[:, ancestors].sum(-1)  # [H, q] path sums
-    S0 = state.float()
-    # the committed state read once per node and head, as two batched products
-    k_S0, q_S0 = torch.bmm(torch.cat((k_, q_), dim=1), S0).split(q, dim=1)  # [H, q, dv] each
-    rhs = beta.float().T[:, :, None] * (value.float().transpose(0, 1) - G.exp()[:, :, None] * k_S0)
+    # the committed state read once per node and head, as one product per key head over its value heads
+    S0 = state.float().view(key_heads, repeat, dk, dv).transpose(1, 2).reshape(key_heads, dk, repeat * dv)
+    products = torch.bmm(torch.cat((k_, q_), dim=1), S0).view(key_heads, 2 * q, repeat, dv)
+    k_S0, q_S0 = products.transpose(1, 2).reshape(num_heads, 2 * q, dv).split(q, dim=1)  # [H, q, dv] each
+    beta_ = beta.float().T.contiguous()  # [H, q]
+    rhs = beta_[:, :, None] * (v_ - G.exp()[:, :, None] * k_S0)
     if use_triton is None:
-        use_triton = value.is_cuda and _kernel_fits(q_.shape[-1], rhs.shape[-1]) and _triton_available()
+        use_triton = v_.is_cuda and kernel_fits(dk, dv) and triton_available()
     if use_triton:
         from workers.models.gdn_triton import tree_path_outputs
 
-        return tree_path_outputs(q_, k_[::repeat].contiguous(), rhs, q_S0, G, beta.float().T.contiguous(), ancestors)
+        return tree_path_outputs(q_, k_, rhs, q_S0, G, beta_, ancestors)
+    q_, k_ = q_.repeat_interleave(repeat, dim=0), k_.repeat_interleave(repeat, dim=0)
     out = torch.empty_like(rhs)
-    step = max(1, GATHER_BYTES // max(1, q * ancestors.shape[1] * rhs.shape[-1] * 4))
+    step = max(1, GATHER_BYTES // max(1, q * ancestors.shape[1] * dv * 4))
     for h in range(0, num_heads, step):
         hs = slice(h, h + step)
-        out[hs] = _path_outputs(q_[hs], k_[hs], rhs[hs], q_S0[hs], G[hs], beta.float().T[hs], ancestors)
+        out[hs] = _path_outputs(q_[hs], k_[hs], rhs[hs], q_S0[hs], G[hs], beta_[hs], ancestors)
     return out.transpose(0, 1)
 
 
@@ -213,12 +234,12 @@ def _path_outputs(q_, k_, rhs, q_S0, G, beta, ancestors) -> torch.Tensor:
     return G.exp()[:, :, None] * q_S0 + (w[..., None] * on_path(rhs)).sum(-2)
 
 
-def _kernel_fits(dk: int, dv: int) -> bool:
+def kernel_fits(dk: int, dv: int) -> bool:
     """The Triton kernel's tiles: powers of two, at least 16 (its Gram product is a tensor-core tile)."""
     return all(n >= 16 and n & (n - 1) == 0 for n in (dk, dv))
 
 
-def _triton_available() -> bool:
+def triton_available() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -244,8 +265,27 @@ def chain_delta_rule(
     and W = T (beta exp(gamma) k) for all chunks at once; only S is carried chunk to chunk.
     Padding tokens (k = v = beta = g = 0) change nothing.
     """
-    length, num_heads = value.shape[:2]
-    repeat = num_heads // query.shape[1]
+    q_, k_ = _normalized(query, key, value.shape[1] // query.shape[1])
+    return chain_delta_rule_normalized(q_, k_, value.float().transpose(0, 1), log_gate, beta, state, with_outputs,
+                                       chunk, repeated=True)
+
+
+def chain_delta_rule_normalized(
+    q_: torch.Tensor,  # [Hk, q, dk] (or [H, q, dk] with repeated=True) float32, normalised, q scaled
+    k_: torch.Tensor,
+    v_: torch.Tensor,  # [H, q, dv] float32
+    log_gate: torch.Tensor,  # [q, H]
+    beta: torch.Tensor,  # [q, H]
+    state: torch.Tensor,  # [H, dk, dv]
+    with_outputs: bool = True,
+    chunk: int = CHUNK,
+    repeated: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``chain_delta_rule`` after the l2 norms, heads first (what the conv prologue kernel writes)."""
+    num_heads, length = v_.shape[:2]
+    if not repeated:
+        repeat = num_heads // q_.shape[0]
+        q_, k_ = q_.repeat_interleave(repeat, dim=0), k_.repeat_interleave(repeat, dim=0)
     C = max(1, min(chunk, length))
     N = -(-length // C)
     pad = N * C - length
@@ -254,12 +294,11 @@ def chain_delta_rule(
         x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, 0, 0, pad)) if pad else x
         return x.reshape(N, C, *x.shape[1:]).movedim(2, 0)
 
-    q_, k_ = _normalized(query, key, repeat)
     q_, k_ = chunks(q_.transpose(0, 1)), chunks(k_.transpose(0, 1))  # [H, N, C, dk]
-    v_ = chunks(value.float())
+    v_ = chunks(v_.transpose(0, 1))
     b_ = chunks(beta.float()[..., None])[..., 0]  # [H, N, C]
     gamma = chunks(log_gate.float()[..., None])[..., 0].cumsum(-1)
-    causal = torch.ones(C, C, dtype=torch.bool, device=value.device).tril()
+    causal = torch.ones(C, C, dtype=torch.bool, device=v_.device).tril()
     decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [H, N, C, C]
     A = (b_[..., None] * decay * (k_ @ k_.transpose(-1, -2))).masked_fill(~causal.tril(-1), 0.0)
     rhs = torch.cat((b_[..., None] * v_, (b_ * gamma.exp())[..., None] * k_), dim=-1)

@@ -23,11 +23,16 @@ from workers.models.deltanet import (
     TreeShape,
     chain_conv,
     chain_delta_rule,
+    chain_delta_rule_normalized,
     conv_lag_index,
+    kernel_fits,
     tree_conv,
     tree_delta_rule,
+    tree_delta_rule_normalized,
+    triton_available,
     window_after,
 )
+from workers.models.fused_layer import fuse_rows
 
 
 class GDNLayer:
@@ -38,6 +43,24 @@ class GDNLayer:
         self.window = mixer.conv_kernel_size - 1
         self.conv_dim = mixer.conv_dim
         self.state_shape = (mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim)
+        self.projection = None  # Qwen3.5's four input projections as one matrix (the modules' weights view it)
+        if all(hasattr(mixer, n) for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")):
+            modules = (mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a)
+            if all(m.bias is None for m in modules):
+                with torch.inference_mode(False), torch.no_grad():
+                    self.projection = fuse_rows(modules, "weight")
+                self.splits = [m.out_features for m in modules]
+        # the Triton kernels (conv prologue, tree solve, gated norm) on CUDA when the heads fit their tiles
+        weight = mixer.conv1d.weight
+        self.device = weight.device
+        self.kernels = (weight.is_cuda and mixer.head_k_dim == mixer.head_v_dim
+                        and kernel_fits(mixer.head_k_dim, mixer.head_v_dim) and triton_available())
+
+    def is_current(self) -> bool:
+        """Whether the mixer's projection weights are still views of this object's fused matrix."""
+        if self.mixer.conv1d.weight.device != self.device:
+            return False
+        return self.projection is None or self.mixer.in_proj_qkv.weight.data_ptr() == self.projection.data_ptr()
 
     def new_state(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Zeroed (conv window [K-1, C] in the model dtype, recurrent state [H, dk, dv] float32)."""
@@ -53,6 +76,8 @@ class GDNLayer:
         ``commit`` needs to replay any accepted path.
         """
         mixer, q = self.mixer, hidden.shape[1]
+        if self.kernels:
+            return self._with_kernels(hidden, shape, conv_window, state, commit)
         conv_inputs, z, b, a = _project(mixer, hidden[0])
         beta = b.sigmoid()
         log_gate = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)  # [q, H] <= 0
@@ -74,6 +99,37 @@ class GDNLayer:
             pending = PendingLayer(extended, shape.lag_index, log_gate, beta)
         out = mixer.norm(out.to(hidden.dtype).reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
         return mixer.out_proj(out.reshape(1, q, -1)), pending
+
+    def _with_kernels(self, hidden, shape: TreeShape, conv_window, state, commit: bool):
+        """``__call__`` through the Triton kernels: one projection, one conv prologue, the tree or chunked
+        delta rule, one gated norm."""
+        mixer, q = self.mixer, hidden.shape[1]
+        if self.projection is not None:
+            conv_inputs, z, b, a = torch.split(F.linear(hidden[0], self.projection), self.splits, dim=-1)
+        else:
+            conv_inputs, z, b, a = _project(mixer, hidden[0])
+            z = z.reshape(q, -1)
+        from workers.models.gdn_triton import gated_norm, prologue
+
+        beta = b.sigmoid()
+        log_gate = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)  # [q, H] <= 0
+        extended = torch.cat((conv_window.to(conv_inputs.dtype), conv_inputs))  # [window+q, C]
+        lag_index = shape.lag_index
+        key_heads, heads = mixer.num_k_heads, mixer.num_v_heads
+        q_, k_, v_ = prologue(extended, lag_index, mixer.conv1d.weight[:, 0, :], mixer.conv1d.bias, key_heads, heads,
+                              mixer.head_k_dim)
+        pending = None
+        if shape.ancestors is None or commit:
+            out, new_state = chain_delta_rule_normalized(q_, k_, v_, log_gate, beta, state)
+        else:
+            out = tree_delta_rule_normalized(q_, k_, v_, log_gate, beta, state, shape.ancestors, use_triton=True)
+        if commit:
+            state.copy_(new_state)
+            conv_window.copy_(extended[extended.shape[0] - self.window :])
+        else:
+            pending = PendingLayer(extended, shape.lag_index, log_gate, beta)
+        normed = gated_norm(out.contiguous(), z, mixer.norm.weight, mixer.norm.variance_epsilon, hidden.dtype)
+        return mixer.out_proj(normed).unsqueeze(0), pending
 
     def commit(self, pending: PendingLayer, path: torch.Tensor, conv_window: torch.Tensor, state: torch.Tensor) -> None:
         """Advance (conv_window, state) in place over the nodes ``path`` (root ... accepted node) of
@@ -109,3 +165,14 @@ def _project(mixer: nn.Module, hidden: torch.Tensor):
         return mixed, z[0], b[0], a[0]
     z = mixer.in_proj_z(hidden).reshape(q, -1, mixer.head_v_dim)
     return mixer.in_proj_qkv(hidden), z, mixer.in_proj_b(hidden), mixer.in_proj_a(hidden)
+
+
+def gdn_layer_for(mixer: nn.Module) -> GDNLayer:
+    """The mixer's ``GDNLayer``, made once and kept on the mixer (its fused projection is what the
+    mixer's weights view); made again if they stopped being views of it (the model was moved or cast)."""
+    existing = getattr(mixer, "_gdn_layer", None)
+    if existing is not None and existing.is_current():
+        return existing
+    layer = GDNLayer(mixer)
+    mixer._gdn_layer = layer  # a plain attribute (not a submodule): no second state_dict entry
+    return layer

@@ -1,10 +1,15 @@
-"""The per-node path solve of ``workers.models.deltanet.tree_delta_rule`` as one Triton kernel (CUDA only).
+"""Gated DeltaNet's per-token work as Triton kernels (CUDA only): the tree solve, the conv prologue, the gated norm.
 
+``tree_path_outputs``: the per-node path solve of ``workers.models.deltanet.tree_delta_rule``.
 One program per (node, key head, block of value columns): it gathers the keys of the node's <= P
 ancestors into registers, forms their [P, P] Gram matrix and the node's query products, then, for
 each value head that shares this key head, runs the P-step forward substitution on scalars and
 sums P gathered rows of r. Nothing is written but the outputs; the torch form in ``deltanet`` is the
-reference it is tested against (``tests/workers/models/test_graphs.py``).
+reference it is tested against (``tests/workers/models/test_gdn_triton.py``).
+
+``prologue``: each node's conv over its ancestry, SiLU and the q/k l2 norms in one kernel (one program
+per node and head), replacing ~20 small torch kernels; ``gated_norm``: the output's RMSNormGated in
+one. Both follow the torch path's roundings to the model dtype, so they agree with it to rounding.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+TREE_WARPS = 1
 
 
 @triton.jit
@@ -50,13 +57,14 @@ def _tree_path_kernel(
 
 
 def tree_path_outputs(
-    q_: torch.Tensor,  # [H, q, dk] float32 (rows repeated per value head)
+    q_: torch.Tensor,  # [Hk, q, dk] float32, one row per key head (scaled by dk^-1/2)
     k_: torch.Tensor,  # [Hk, q, dk] float32, one row per key head
     rhs: torch.Tensor,  # [H, q, dv] r
     q_S0: torch.Tensor,  # [H, q, dv]
     G: torch.Tensor,  # [H, q] path sums of the log decay
     beta: torch.Tensor,  # [H, q]
     ancestors: torch.Tensor,  # [q, P] (P a power of two >= 16)
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Outputs [q, H, dv] float32, as ``deltanet._path_outputs`` computes them."""
     heads, nodes, dv = rhs.shape
@@ -64,11 +72,80 @@ def tree_path_outputs(
     repeat = heads // key_heads
     P = ancestors.shape[1]
     out = torch.empty(nodes, heads, dv, dtype=torch.float32, device=rhs.device)
-    block = min(dv, 64)
-    grid = (nodes, key_heads, dv // block)
-    _tree_path_kernel[grid](
-        q_[::repeat].contiguous(), k_.contiguous(), rhs.contiguous(), q_S0.contiguous(), G.contiguous(),
+    # one warp per program: the forward substitution's reductions stay inside the warp (no barriers)
+    _tree_path_kernel[(nodes, key_heads, 1)](
+        q_.contiguous(), k_.contiguous(), rhs.contiguous(), q_S0.contiguous(), G.contiguous(),
         beta.contiguous(), ancestors.contiguous(), out, nodes,
-        HEADS=heads, REPEAT=repeat, DK=dk, DV=dv, P=P, BV=block, num_warps=4,
+        HEADS=heads, REPEAT=repeat, DK=dk, DV=dv, P=P, BV=dv, num_warps=num_warps or TREE_WARPS,
     )
     return out
+
+
+@triton.jit
+def _prologue_kernel(
+    EXT, LAG, W, BIAS, QN, KN, V, nodes, channels,
+    KEY_HEADS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, TAPS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SCALE: tl.constexpr,
+):
+    """Program (node t, head segment s): the conv over t's ancestry + SiLU of one head's channels, then
+    (q, k heads) the l2 norm; writes q_ / k_ [Hk, q, D] and v [H, q, D] in float32."""
+    t = tl.program_id(0)
+    s = tl.program_id(1)
+    c = s * D + tl.arange(0, D)  # q heads, then k heads, then v heads: the conv channels in order
+    acc = tl.zeros((D,), dtype=tl.float32)
+    for lag in tl.static_range(TAPS):  # tap `lag` reads the input `lag` steps back with weight[:, K-1-lag]
+        row = tl.load(LAG + t * TAPS + lag)
+        x = tl.load(EXT + row * channels + c).to(tl.float32)
+        acc += x * tl.load(W + c * TAPS + (TAPS - 1 - lag)).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + c).to(tl.float32)
+    x = acc * tl.sigmoid(acc)
+    x = x.to(EXT.dtype.element_ty).to(tl.float32)  # the torch path rounds the conv output to the model dtype
+    if s < 2 * KEY_HEADS:
+        x = x * tl.rsqrt(tl.sum(x * x, axis=0) + 1e-6)
+        if s < KEY_HEADS:
+            tl.store(QN + (s * nodes + t) * D + tl.arange(0, D), x * SCALE)
+        else:
+            tl.store(KN + ((s - KEY_HEADS) * nodes + t) * D + tl.arange(0, D), x)
+    else:
+        tl.store(V + ((s - 2 * KEY_HEADS) * nodes + t) * D + tl.arange(0, D), x)
+
+
+def prologue(extended: torch.Tensor, lag_index: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             key_heads: int, heads: int, head_dim: int):
+    """(q_ [Hk, q, D] scaled, k_ [Hk, q, D], v [H, q, D]) float32 from the conv inputs ``extended``
+    [window+q, C] as ``deltanet.tree_conv`` + l2 normalisation compute them (dk = dv = D)."""
+    nodes, taps = lag_index.shape
+    channels = extended.shape[1]
+    device = extended.device
+    q_ = torch.empty(key_heads, nodes, head_dim, dtype=torch.float32, device=device)
+    k_ = torch.empty_like(q_)
+    v = torch.empty(heads, nodes, head_dim, dtype=torch.float32, device=device)
+    _prologue_kernel[(nodes, 2 * key_heads + heads)](
+        extended, lag_index, weight.contiguous(), bias if bias is not None else weight, q_, k_, v, nodes, channels,
+        KEY_HEADS=key_heads, HEADS=heads, D=head_dim, TAPS=taps, HAS_BIAS=bias is not None, SCALE=head_dim**-0.5,
+        num_warps=1,
+    )
+    return q_, k_, v
+
+
+@triton.jit
+def _gated_norm_kernel(O, Z, W, OUT, z_stride, eps, HEADS: tl.constexpr, D: tl.constexpr):
+    """Program (node t, head h): Qwen3.5's RMSNormGated of one head's output row, with its roundings."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, D)
+    dtype = OUT.dtype.element_ty
+    x = tl.load(O + (t * HEADS + h) * D + d).to(dtype).to(tl.float32)
+    y = (x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)).to(dtype)
+    y = (tl.load(W + d).to(dtype) * y).to(tl.float32)
+    z = tl.load(Z + t * z_stride + h * D + d).to(tl.float32)
+    tl.store(OUT + (t * HEADS + h) * D + d, (y * z * tl.sigmoid(z)).to(dtype))
+
+
+def gated_norm(out: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """out [q, H, D] float32, z [q, H*D] (rows may be strided) -> [q, H*D] in ``dtype``."""
+    nodes, heads, head_dim = out.shape
+    result = torch.empty(nodes, heads * head_dim, dtype=dtype, device=out.device)
+    _gated_norm_kernel[(nodes, heads)](out, z, weight, result, z.stride(0), eps, HEADS=heads, D=head_dim, num_warps=1)
+    return result

@@ -39,7 +39,7 @@ from workers.errors import UnsupportedModelError
 from workers.models.attention import grouped_attention_in
 from workers.models.deltanet import MAX_PATH, PendingLayer, TreeShape
 from workers.models.fused_layer import PassInputs, fused_layer_for
-from workers.models.gdn_layer import GDNLayer
+from workers.models.gdn_layer import gdn_layer_for
 from workers.models.graph_cache import GraphCache, capture
 from workers.seam import DraftTree, VerifyOutput, check_supported, text_config
 
@@ -117,7 +117,7 @@ class StaticTarget:
         self._run_layers = torch.compile(self._layers, dynamic=False) if compile_layers else self._layers
         # plain attention layers run as FusedLayer (few kernels); others through transformers' modules
         self.fused = {i: fused_layer_for(self.layers[i], self.config) for i in self.attention_ids}
-        self.gdn = {i: GDNLayer(self.layers[i].linear_attn) for i in self.linear_ids}
+        self.gdn = {i: gdn_layer_for(self.layers[i].linear_attn) for i in self.linear_ids}
         if self.attention_ids:  # transformers renamed the attention modules' ``past_key_values`` to ``cache``
             params = inspect.signature(self.layers[self.attention_ids[0]].self_attn.forward).parameters
             self._cache_kwarg = "cache" if "cache" in params else "past_key_values"

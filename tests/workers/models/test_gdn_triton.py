@@ -69,3 +69,37 @@ def test_hybrid_on_cuda_through_the_kernel_gives_the_cpu_tree_logits():
         outputs.append(target.verify_tree(prompt[0, -1].to(device), tree.to(device)).logits.float().cpu().clone())
     for got in outputs[1:]:
         torch.testing.assert_close(got, outputs[0], atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chain", [False, True])
+@torch.inference_mode()
+def test_gdn_layer_through_the_kernels_equals_its_torch_path(dtype, chain):
+    """Fused projection + conv prologue + tree (or chunked) rule + gated norm against the module path:
+    outputs, and (a chain kept whole) the state and conv window it leaves."""
+    from workers.models.deltanet import TreeShape
+    from workers.models.gdn_layer import gdn_layer_for
+    from workers.models.shapes import build_random_target
+
+    model = build_random_target("qwen3.6-mini", dtype, torch.device("cuda"))
+    layer = gdn_layer_for(model.model.layers[0].linear_attn)
+    assert layer.kernels and layer.projection is not None
+    q = 40
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(1, q, 256, generator=generator).to(dtype).cuda()
+    parents = torch.arange(-1, q - 1) if chain else random_tree_parents(q, 15, generator)
+    shape = TreeShape.build(parents.cuda(), layer.window, chain)
+    window0 = torch.randn(layer.window, layer.conv_dim, generator=generator).to(dtype).cuda()
+    state0 = (torch.randn(layer.state_shape, generator=generator) * 0.3).cuda()
+    results = []
+    for kernels in (False, True):
+        layer.kernels = kernels
+        window, state = window0.clone(), state0.clone()
+        out, _ = layer(hidden, shape, window, state, commit=chain)
+        results.append((out.float(), state, window.float()))
+    (want, want_state, want_window), (got, got_state, got_window) = results
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    assert ((got - want).norm() / want.norm()).item() < tolerance
+    if chain:
+        assert ((got_state - want_state).norm() / want_state.norm()).item() < tolerance
+        assert torch.equal(got_window, want_window)
