@@ -136,6 +136,15 @@ class GDNLayer:
         the pass that left ``pending``: the path replayed as a chain from the committed state."""
         mixer, count, window = self.mixer, path.shape[0], self.window
         parents = torch.arange(-1, count - 1, device=path.device)
+        if self.kernels:  # conv prologue over the path, then the recurrence with the state in registers
+            from workers.models.gdn_triton import advance_state, prologue
+
+            extended = torch.cat((conv_window, pending.extended[window + path]))  # [window+c, C]
+            _, k_, v_ = prologue(extended, conv_lag_index(parents, window), mixer.conv1d.weight[:, 0, :],
+                                 mixer.conv1d.bias, mixer.num_k_heads, mixer.num_v_heads, mixer.head_k_dim)
+            advance_state(k_, v_, pending.log_gate[path], pending.beta[path], state)
+            conv_window.copy_(extended[count:])  # the last `window` inputs of committed + path
+            return
         conv_out, _ = tree_conv(pending.extended[window + path], conv_window, mixer.conv1d.weight[:, 0, :],
                                 mixer.conv1d.bias, conv_lag_index(parents, window))
         query, key, value = self._heads(conv_out.to(pending.extended.dtype))

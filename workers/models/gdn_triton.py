@@ -149,3 +149,37 @@ def gated_norm(out: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: fl
     result = torch.empty(nodes, heads * head_dim, dtype=dtype, device=out.device)
     _gated_norm_kernel[(nodes, heads)](out, z, weight, result, z.stride(0), eps, HEADS=heads, D=head_dim, num_warps=1)
     return result
+
+
+@triton.jit
+def _chain_state_kernel(K, V, G, BETA, S, count: tl.constexpr, HEADS: tl.constexpr, REPEAT: tl.constexpr, DK: tl.constexpr,
+                        DV: tl.constexpr, BV: tl.constexpr):
+    """Program (value head h, block of value columns): the recurrent delta rule over ``count`` tokens with
+    the state block [DK, BV] in registers, read once and written back in place. (``count`` is a
+    compile-time constant: a commit's path length, one variant per length, as the commit graphs are.)"""
+    h = tl.program_id(0)
+    cols = tl.program_id(1) * BV + tl.arange(0, BV)
+    d = tl.arange(0, DK)
+    hk = h // REPEAT
+    block = S + h * DK * DV + d[:, None] * DV + cols[None, :]
+    state = tl.load(block)
+    for t in range(count):
+        key = tl.load(K + (hk * count + t) * DK + d)
+        value = tl.load(V + (h * count + t) * DV + cols)
+        state = state * tl.exp(tl.load(G + t * HEADS + h))
+        delta = tl.load(BETA + t * HEADS + h).to(tl.float32) * (value - tl.sum(state * key[:, None], axis=0))
+        state += key[:, None] * delta[None, :]
+    tl.store(block, state)
+
+
+def advance_state(k_: torch.Tensor, v_: torch.Tensor, log_gate: torch.Tensor, beta: torch.Tensor,
+                  state: torch.Tensor) -> None:
+    """state [H, dk, dv] float32 advanced in place over a chain: k_ [Hk, c, dk] (normalised), v_ [H, c, dv],
+    log_gate / beta [c, H] (the sequential kernel's arithmetic: what a commit needs)."""
+    key_heads, count, dk = k_.shape
+    heads, _, dv = v_.shape
+    block = min(dv, 32)
+    _chain_state_kernel[(heads, dv // block)](
+        k_, v_, log_gate.float().contiguous(), beta.contiguous(), state, count,
+        HEADS=heads, REPEAT=heads // key_heads, DK=dk, DV=dv, BV=block, num_warps=4,
+    )

@@ -103,3 +103,36 @@ def test_gdn_layer_through_the_kernels_equals_its_torch_path(dtype, chain):
     if chain:
         assert ((got_state - want_state).norm() / want_state.norm()).item() < tolerance
         assert torch.equal(got_window, want_window)
+
+
+@torch.inference_mode()
+def test_commit_through_the_kernels_equals_the_chunked_replay():
+    """A commit's path: conv prologue + the recurrence in registers against the torch chunked replay."""
+    from workers.models.deltanet import TreeShape
+    from workers.models.gdn_layer import gdn_layer_for
+    from workers.models.shapes import build_random_target
+
+    model = build_random_target("qwen3.6-mini", torch.float32, torch.device("cuda"))
+    layer = gdn_layer_for(model.model.layers[0].linear_attn)
+    generator = torch.Generator().manual_seed(8)
+    q = 48
+    parents = random_tree_parents(q, 15, generator)
+    hidden = torch.randn(1, q, 256, generator=generator).cuda()
+    shape = TreeShape.build(parents.cuda(), layer.window, chain=False)
+    window0 = torch.randn(layer.window, layer.conv_dim, generator=generator).cuda()
+    state0 = (torch.randn(layer.state_shape, generator=generator) * 0.3).cuda()
+    for node in (0, 5, q - 1):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(int(parents[path[-1]]))
+        path = torch.tensor(path[::-1]).cuda()
+        results = []
+        for kernels in (False, True):
+            layer.kernels = True
+            window, state = window0.clone(), state0.clone()
+            _, pending = layer(hidden, shape, window, state)
+            layer.kernels = kernels
+            layer.commit(pending, path, window, state)
+            results.append((state, window))
+        torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-5)
+        assert torch.equal(results[1][1], results[0][1])
