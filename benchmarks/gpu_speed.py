@@ -161,13 +161,15 @@ def main() -> int:
         kernel_breakdown(call, f"graph verify q={q}", lines, top=12)
 
     # --- the prompt --------------------------------------------------------------------------------------
-    def prefill_once():
-        eager.start(capacity=args.context + 600, max_verify=max(qs))
-        eager.prefill(prompt)
+    def prefill_once(runner=graphed):
+        runner.start(capacity=args.context + 600, max_verify=max(qs))
+        runner.prefill(prompt)
 
-    prefill_ms = median_ms(prefill_once, 3)
-    lines.append(f"prefill {args.context} tokens: {prefill_ms:.1f} ms (chunks of {eager.prefill_chunk}); compute floor "
-                 f"{compute_floor_ms(args.context):.1f} ms -> {prefill_ms / compute_floor_ms(args.context):.2f}x")
+    for label, runner in (("eager", eager), ("graph", graphed)):
+        prefill_ms = median_ms(lambda r=runner: prefill_once(r), 3)
+        lines.append(f"prefill {args.context} tokens, {label}: {prefill_ms:.1f} ms (chunks of {runner.prefill_chunk}); "
+                     f"compute floor {compute_floor_ms(args.context):.1f} ms -> "
+                     f"{prefill_ms / compute_floor_ms(args.context):.2f}x")
     if args.profile:
         from forward_anatomy import kernel_breakdown
 

@@ -25,7 +25,7 @@ TREE_WARPS = 1
 def _tree_path_kernel(
     Q, K, R, QS, G, BETA, ANC, OUT, nodes,
     HEADS: tl.constexpr, REPEAT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, P: tl.constexpr,
-    BV: tl.constexpr,
+    BV: tl.constexpr, STEPS: tl.constexpr,
 ):
     t = tl.program_id(0)
     hk = tl.program_id(1)
@@ -48,7 +48,7 @@ def _tree_path_kernel(
         # U[m, n] = beta_{a_m} exp(G_{a_m} - G_{a_n}) gram[m, n], n > m on the path (masked before exp)
         U = b_path[:, None] * tl.exp(tl.where(upper, g_path[:, None] - g_path[None, :], float("-inf"))) * gram
         w = tl.where(valid, tl.exp(g_t - g_path) * qk, 0.0)  # starts as e
-        for n in tl.static_range(1, P):  # w_n = e_n - sum_{m<n} w_m U[m, n]
+        for n in tl.static_range(1, STEPS):  # w_n = e_n - sum_{m<n} w_m U[m, n] (paths have <= STEPS nodes)
             column = tl.sum(tl.where(m[None, :] == n, U, 0.0), axis=1)
             w = tl.where(m == n, w - tl.sum(w * column), w)
         rows = tl.load(R + (h * nodes + row[:, None]) * DV + cols[None, :], mask=valid[:, None], other=0.0)
@@ -76,7 +76,7 @@ def tree_path_outputs(
     _tree_path_kernel[(nodes, key_heads, 1)](
         q_.contiguous(), k_.contiguous(), rhs.contiguous(), q_S0.contiguous(), G.contiguous(),
         beta.contiguous(), ancestors.contiguous(), out, nodes,
-        HEADS=heads, REPEAT=repeat, DK=dk, DV=dv, P=P, BV=dv, num_warps=num_warps or TREE_WARPS,
+        HEADS=heads, REPEAT=repeat, DK=dk, DV=dv, P=P, BV=dv, STEPS=min(P, nodes), num_warps=num_warps or TREE_WARPS,
     )
     return out
 

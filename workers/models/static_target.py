@@ -178,6 +178,11 @@ class StaticTarget:
         self._commit_graphs: dict[tuple[tuple[int, bool], int], torch.cuda.CUDAGraph] = {}
         self._graph_width: tuple[int, bool] | None = None  # (width, long chain) of the last pass if replayed
         self._chains: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # q -> depths, parents, visible
+        # a full prompt chunk's pass, captured once (graphs only): ids, then the chain's constant shape
+        self._prefill_ids = torch.zeros(self.prefill_chunk, dtype=torch.long, device=device)
+        self._prefill_depths = torch.arange(self.prefill_chunk, device=device)
+        self._prefill_shape = _chain(self.prefill_chunk, device) if self.graphs else None
+        self._prefill_graph: tuple[torch.cuda.CUDAGraph, VerifyOutput] | None = None
         self._buffers_hold_chain: int | None = None  # width of the chain whose shape the input buffers hold
 
     def _drop_commit_graphs(self, graph_key: tuple[int, bool]) -> None:
@@ -191,10 +196,7 @@ class StaticTarget:
         for begin in range(0, input_ids.shape[1], self.prefill_chunk):
             chunk = input_ids[0, begin : begin + self.prefill_chunk].to(self.device)
             q = chunk.shape[0]
-            parents, visible = _chain(q, self.device)
-            # a chain kept whole: GDN layers advance their state inside the pass, K/V rows are already in place
-            out = self._forward(chunk, torch.arange(q, device=self.device), parents, visible, last_only=True,
-                                chain=True, commit=True)
+            out = self._prefill_chunk(chunk)
             self.length += q
             taps.append(out.taps)
             logits = out.logits
@@ -213,6 +215,37 @@ class StaticTarget:
         ids = torch.cat((root_token.view(1).to(self.device), tree.tokens.to(self.device)))
         depths = torch.cat((torch.zeros(1, dtype=torch.long, device=self.device), tree.depths.to(self.device)))
         return self._verify(ids, depths, tree.parents.to(self.device), tree.visibility.to(self.device))
+
+    def _prefill_chunk(self, chunk: torch.Tensor) -> VerifyOutput:
+        """One chunk of the prompt, a chain kept whole: GDN layers advance their state inside the pass and
+        the K/V rows are already in place. With graphs, a full chunk replays one captured pass."""
+        q = chunk.shape[0]
+        if not self.graphs or q != self.prefill_chunk:
+            parents, visible = _chain(q, self.device)
+            return self._forward(chunk, torch.arange(q, device=self.device), parents, visible, last_only=True,
+                                 chain=True, commit=True)
+        self._prefill_ids.copy_(chunk)
+        self._length.fill_(self.length)
+        if self._prefill_graph is None:
+            live = [*self.states.values(), *self.conv_windows.values()]
+            saved = [t.clone() for t in live]  # capture's warm-ups run the pass, advancing the GDN state
+            static = (self._prefill_ids, self._prefill_depths, *self._prefill_shape)
+            try:
+                self._prefill_graph = capture(lambda: self._forward(*static, last_only=True, attend=self.capacity,
+                                                                    chain=True, commit=True))
+            except RuntimeError as exc:  # as for a verify pass: run eagerly from here on
+                warnings.warn(f"CUDA graph capture failed ({type(exc).__name__}: {str(exc)[:200]}); running eagerly",
+                              stacklevel=3)
+                self.graphs = False
+            finally:
+                for tensor, copy in zip(live, saved):
+                    tensor.copy_(copy)
+            if not self.graphs:
+                return self._prefill_chunk(chunk)
+        graph, out = self._prefill_graph
+        graph.replay()
+        # the graph's outputs are overwritten by its next replay (a later chunk): copies
+        return VerifyOutput(logits=out.logits.clone(), taps=out.taps.clone() if self.tap_layer_ids else out.taps)
 
     # -- commit ------------------------------------------------------------------------------------
     def commit(self, kept: torch.Tensor) -> None:
