@@ -79,6 +79,7 @@ def test_replayed_tree_build_equals_the_eager_build(tiny):
 
 
 @pytest.mark.parametrize("name", ["tiny_hybrid", "tiny"])
+@torch.inference_mode()  # as the engines run the target
 def test_prompt_chunks_replayed_from_a_graph_equal_eager(request, name):
     """Full prompt chunks replay one captured pass (its warm-ups must not advance the GDN state);
     the logits, the taps and the tokens generated after it equal the eager prompt's."""
