@@ -23,8 +23,12 @@ buffers, attention reads the whole K/V buffer under a mask built on the device f
 length, and the outputs are the graph's static tensors (valid until the next pass). The commit after
 a replayed pass is captured too, per (pass width, path length); the prompt runs eagerly.
 
-A target split over several GPUs (accelerate ``device_map``) works unchanged in eager mode: the
-hidden state moves to each layer's device, and taps are gathered onto the drafter's device.
+A target split over several GPUs (accelerate ``device_map``) runs in segments, a run of layers on
+one device each: eagerly the hidden state moves to each layer's device and taps are gathered onto
+the drafter's device; with ``graphs=True`` (every part on CUDA) a verify pass is one graph per
+segment, the hidden state and the pass's shared inputs handed to the next segment between replays
+(``segment_starts`` forces more segments, e.g. two on one GPU to test this); such a split target
+commits eagerly and runs its prompt eagerly.
 """
 
 from __future__ import annotations
@@ -67,11 +71,11 @@ class _KVBuffers:
             self.stacks.append(stack)
             for j, i in enumerate(ids):
                 self.keys[i], self.values[i], self.pairs[i] = stack[j, 0], stack[j, 1], stack[j]
-        self.slots: torch.Tensor | None = None
+        self.per_device = None  # the pass's shared inputs (``_PerDevice``): its "slots" are where K/V go
         self.attend = 0
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
-        slots = self.slots.to(keys.device)
+        slots = self.per_device.get(keys.device)["slots"]
         self.keys[layer_idx].index_copy_(2, slots, keys)
         self.values[layer_idx].index_copy_(2, slots, values)
         return self.keys[layer_idx][:, :, : self.attend], self.values[layer_idx][:, :, : self.attend]
@@ -93,6 +97,7 @@ class StaticTarget:
         prefill_chunk: int = 1024,
         graphs: bool = False,
         compile_layers: bool = False,
+        segment_starts: tuple[int, ...] = (),
     ) -> None:
         check_supported(model.config)
         self.model = model
@@ -110,9 +115,16 @@ class StaticTarget:
         self.device = self.embed.weight.device
         self.dtype = self.embed.weight.dtype
         devices = {*self.layer_devices, self.device, self.lm_head.weight.device}
-        if graphs and (self.device.type != "cuda" or len(devices) > 1):
-            raise UnsupportedModelError("CUDA graphs need the whole target on one CUDA device")
+        if graphs and any(device.type != "cuda" for device in devices):
+            raise UnsupportedModelError("CUDA graphs need every part of the target on CUDA devices")
         self.graphs = graphs
+        self.one_device = len(devices) == 1
+        # segments: runs of layers on one device (plus any forced starts); with graphs, one graph per
+        # segment and pass width, the hidden state handed from segment to segment between replays
+        count = len(self.layers)
+        starts = sorted({0, *(i for i in segment_starts if 0 < i < count),
+                         *(i for i in range(1, count) if self.layer_devices[i] != self.layer_devices[i - 1])})
+        self.segments = list(zip(starts, [*starts[1:], count]))
         # experimental: torch.compile fuses the layers' small elementwise kernels (norms, rotary, gates)
         self._run_layers = torch.compile(self._layers, dynamic=False) if compile_layers else self._layers
         # plain attention layers run as FusedLayer (few kernels); others through transformers' modules
@@ -220,7 +232,7 @@ class StaticTarget:
         """One chunk of the prompt, a chain kept whole: GDN layers advance their state inside the pass and
         the K/V rows are already in place. With graphs, a full chunk replays one captured pass."""
         q = chunk.shape[0]
-        if not self.graphs or q != self.prefill_chunk:
+        if not self.graphs or q != self.prefill_chunk or not self.one_device:
             parents, visible = _chain(q, self.device)
             return self._forward(chunk, torch.arange(q, device=self.device), parents, visible, last_only=True,
                                  chain=True, commit=True)
@@ -261,7 +273,7 @@ class StaticTarget:
         self._kept[:count].copy_(kept)
         self._length.fill_(self.length)
         key = (self._graph_width, count)
-        if self._graph_width is None:
+        if self._graph_width is None or not self.one_device:  # (a split target commits eagerly)
             self._commit_core(count)
         elif key in self._commit_graphs:
             self._commit_graphs[key].replay()
@@ -319,13 +331,71 @@ class StaticTarget:
         """Record the width-q pass reading the static inputs; returns (graph, outputs, pending, state bytes)."""
         static = (self._ids[:q], self._depths[:q], self._parents[:q], self._visible[:q, :q])
         # the warm-ups write K/V only after the committed past, which is free space
-        graph, out = capture(lambda: self._forward(*static, last_only=False, attend=self.capacity, chain=chain))
-        return graph, out, dict(self.pending), self.state_bytes
+        if len(self.segments) == 1:
+            graph, out = capture(lambda: self._forward(*static, last_only=False, attend=self.capacity, chain=chain))
+        else:
+            graph, out = self._capture_segments(lambda: self._head(*static, self.capacity, chain), last_only=False)
+        pending = dict(self.pending)
+        return graph, out, pending, sum(p.nbytes() for p in pending.values())
+
+    def _capture_segments(self, head, last_only: bool):
+        """One graph per segment of layers; the first also runs ``head``, the last the final norm and
+        lm_head. A segment on the previous one's device reads its output in place; on another device
+        it reads static copies of the hidden state and the pass's shared inputs, refreshed between
+        replays (the hand-off). Returns (an object whose ``replay`` runs it all, the outputs)."""
+        steps, context, keep = [], {}, []
+
+        def first():
+            hidden, per_device = head()
+            captured: dict[int, torch.Tensor] = {}
+            with grouped_attention_in(self.config):
+                hidden = self._run_layers(hidden, per_device, captured, False, *self.segments[0])
+            context.update(per_device=per_device, captured=captured)  # those of the recorded call
+            return hidden
+
+        graph, hidden = capture(first)
+        steps.append(graph.replay)
+        # a later segment's warm-ups read this graph's outputs (K/V slots among them): make them real
+        graph.replay()
+        per_device, captured = context["per_device"], context["captured"]
+        last = len(self.segments) - 1
+        for k, (start, end) in enumerate(self.segments[1:], 1):
+            device = self.layer_devices[start]
+            received = hidden
+            if device != hidden.device:
+                received = torch.empty_like(hidden, device=device)
+                copies = per_device.get(device)  # made now, outside any graph: static buffers on `device`
+                steps.append(lambda dst=received, src=hidden, copies=copies: (
+                    dst.copy_(src), [_copy_into(copies[n], per_device.tensors[n]) for n in copies]))
+
+            def segment(inp=received, start=start, end=end, k=k):
+                with grouped_attention_in(self.config):
+                    out = self._run_layers(inp, per_device, captured, False, start, end)
+                return self._tail(out, captured, last_only) if k == last else out
+
+            keep.append(received)
+            steps[-1]()  # the hand-off (or the previous replay again): real inputs for the warm-ups
+            with torch.cuda.device(device):
+                graph, hidden = capture(segment)
+            steps.append(graph.replay)
+            if k < last:
+                graph.replay()
+        # the graphs hold no Python references: keep every tensor a later graph reads alive with them
+        return _Steps(steps, keep=[keep, per_device, captured]), hidden
 
     def _forward(self, ids, depths, parents, visible, last_only: bool, attend: int | None = None,
                  chain: bool = False, commit: bool = False) -> VerifyOutput:
         """One pass over q nodes after the committed past. ``attend`` = K/V slots read (graphs: all);
         ``chain``: the nodes are a line; ``commit``: GDN layers keep all of them (the prompt)."""
+        hidden, per_device = self._head(ids, depths, parents, visible, attend, chain)
+        captured: dict[int, torch.Tensor] = {}
+        with grouped_attention_in(self.config):
+            for start, end in self.segments:
+                hidden = self._run_layers(hidden, per_device, captured, commit, start, end)
+        return self._tail(hidden, captured, last_only)
+
+    def _head(self, ids, depths, parents, visible, attend: int | None, chain: bool):
+        """The embedding and what every layer of the pass shares: (hidden [1, q, H], ``_PerDevice``)."""
         q = ids.shape[0]
         self._graph_width = None
         if attend is None:  # eager: the committed length is known on the host
@@ -334,7 +404,7 @@ class StaticTarget:
             # bit); on the CPU only the committed past and this pass
             attend = self.capacity if self.device.type == "cuda" else self.length + q
         length = self._length
-        self.kv.slots = length + self._columns[:q]
+        slots = length + self._columns[:q]
         self.kv.attend = attend
         hidden = self.embed(ids).unsqueeze(0)  # [1, q, H]
         positions = (length + depths).unsqueeze(0)
@@ -342,19 +412,19 @@ class StaticTarget:
             positions = positions.unsqueeze(0).expand(3, 1, q)
         cos, sin = self.rotary(hidden, positions)
         mask = self._attention_mask(length, visible, attend)
-        shared = {"cos": cos, "sin": sin, "mask": mask}
+        shared = {"cos": cos, "sin": sin, "mask": mask, "slots": slots}
         if self.linear_ids:
             window = self.gdn[self.linear_ids[0]].window
             shared["tree"] = TreeShape.build(parents, window, chain)
         if any(self.fused.values()):
             groups = self.config.num_attention_heads // self.config.num_key_value_heads
-            shared["fused"] = PassInputs.build(cos, sin, self.kv.slots, mask[0, 0], groups)
+            shared["fused"] = PassInputs.build(cos, sin, slots, mask[0, 0], groups)
         per_device = _PerDevice(**shared)
-
-        captured: dict[int, torch.Tensor] = {}
+        self.kv.per_device = per_device
         self.state_bytes = 0
-        with grouped_attention_in(self.config):
-            hidden = self._run_layers(hidden, per_device, captured, commit)
+        return hidden, per_device
+
+    def _tail(self, hidden: torch.Tensor, captured: dict, last_only: bool) -> VerifyOutput:
         if last_only:
             hidden = hidden[:, -1:]
         hidden = self.norm(hidden.to(self.norm.weight.device))
@@ -362,9 +432,10 @@ class StaticTarget:
         self.peak_state_bytes = max(self.peak_state_bytes, self.state_bytes)
         return VerifyOutput(logits=logits, taps=self._taps(captured))
 
-    def _layers(self, hidden, per_device: _PerDevice, captured: dict, commit: bool) -> torch.Tensor:
-        """The decoder layers over the pass's hidden states [1, q, H]; fills ``captured`` with taps."""
-        for i, layer in enumerate(self.layers):
+    def _layers(self, hidden, per_device: _PerDevice, captured: dict, commit: bool, start: int, end: int):
+        """Decoder layers start..end-1 over the pass's hidden states [1, q, H]; fills ``captured`` with taps."""
+        for i in range(start, end):
+            layer = self.layers[i]
             on = per_device.get(self.layer_devices[i])
             hidden = hidden.to(self.layer_devices[i])
             fused = self.fused.get(i)
@@ -414,6 +485,27 @@ class StaticTarget:
 def _chain(q: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(parents, visibility) of q nodes in a line."""
     return torch.arange(-1, q - 1, device=device), torch.ones(q, q, dtype=torch.bool, device=device).tril()
+
+
+class _Steps:
+    """Segment graphs and the copies between them, replayed in order (quacks like a CUDA graph)."""
+
+    def __init__(self, steps: list, keep: list) -> None:
+        self.steps, self.keep = steps, keep
+
+    def replay(self) -> None:
+        for step in self.steps:
+            step()
+
+
+def _copy_into(target, source) -> None:
+    """Refresh a static copy (a tensor, or an object of tensors such as ``TreeShape``) from ``source``."""
+    if isinstance(target, torch.Tensor):
+        target.copy_(source)
+        return
+    for name, value in vars(target).items():
+        if isinstance(value, torch.Tensor):
+            value.copy_(getattr(source, name))
 
 
 class _PerDevice:
