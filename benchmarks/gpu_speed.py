@@ -8,7 +8,8 @@ drafter (5 layers, block 16). Prints, last, one table:
   copy), and 2 x matmul parameters (all but the input embedding) x q / measured bf16 matmul rate
   (an 8192^3 product on random data); the ratio column is graph time over the larger of the two;
 - target verify time per q (chain and tree masks): transformers' own forward on a DynamicCache
-  (``AttentionTarget``; attention-only shapes), our loop eagerly, and our loop replaying a CUDA graph;
+  (``AttentionTarget``; attention-only shapes), our loop eagerly, and our loop replaying a CUDA graph
+  (``--split``: also in two segments of layers on this GPU, one graph per segment);
 - the prompt (``--context`` tokens) through ``prefill`` against the compute floor;
 - the drafter's forward (one block), eager and as a graph, and the tree work per round for
   B = 16..1024 (build on the GPU, unlimited and branching 8; walk; commit);
@@ -81,6 +82,8 @@ def main() -> int:
     parser.add_argument("--compile", action="store_true", help="also time torch.compile'd layers under graphs")
     parser.add_argument("--only-forwards", action="store_true", help="stop after the verify table")
     parser.add_argument("--qs", default=QS, help="verify widths, comma-separated")
+    parser.add_argument("--split", action="store_true",
+                        help="also time the target in two segments of layers on this GPU (one graph per segment)")
     parser.add_argument("--profile", default="", help="tree widths whose graph pass is profiled by kernel, comma-separated")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -110,6 +113,8 @@ def main() -> int:
     eager = StaticTarget(model, taps, graphs=False)
     graphed = StaticTarget(model, taps, graphs=True)
     plain = None if hybrid else AttentionTarget(model, taps)  # transformers' cache cannot fork GDN state
+    half = (model.config.num_hidden_layers // 2,)
+    split = StaticTarget(model, taps, graphs=True, segment_starts=half) if args.split else None
     compiled = None
     if args.compile:
         import torch._dynamo as dynamo
@@ -117,12 +122,12 @@ def main() -> int:
         dynamo.config.cache_size_limit = 64
         compiled = StaticTarget(model, taps, graphs=True, compile_layers=True)
     lines.append(f"{'q':>5} {'mask':>5} {'plain ms':>9} {'eager ms':>9} {'graph ms':>9} {'floor W':>8} "
-                 f"{'floor C':>8} {'graph/floor':>11} {'compiled+graph ms':>18}")
+                 f"{'floor C':>8} {'graph/floor':>11} {'split ms':>9} {'compiled+graph ms':>18}")
     for q in qs:
         tree = random_tree(vocab, q).to(device) if q > 1 else None
         for mask in ("chain", "tree") if q > 1 else ("chain",):
             row = []
-            for runner in (plain, eager, graphed):
+            for runner in (plain, eager, graphed, split):
                 if runner is None:
                     row.append(float("nan"))
                     continue
@@ -149,7 +154,7 @@ def main() -> int:
                 fused = f"{median_ms(call, args.reps):.2f} (setup {setup_s:.0f}s)"
             floor = max(floor_ms, compute_floor_ms(q))
             lines.append(f"{q:>5} {mask:>5} {row[0]:>9.2f} {row[1]:>9.2f} {row[2]:>9.2f} {floor_ms:>8.2f} "
-                         f"{compute_floor_ms(q):>8.2f} {row[2] / floor:>10.2f}x {fused:>18}")
+                         f"{compute_floor_ms(q):>8.2f} {row[2] / floor:>10.2f}x {row[3]:>9.2f} {fused:>18}")
 
     for q in (int(q) for q in args.profile.split(",") if q):
         from forward_anatomy import kernel_breakdown  # a sibling script: benchmarks/ is on sys.path
