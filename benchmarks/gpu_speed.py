@@ -1,12 +1,16 @@
 """Target forwards against the memory-bandwidth floor, with and without CUDA graphs (issue 5's table).
 
-    python benchmarks/gpu_speed.py [--shape qwen3-8b] [--context 1024] [--reps 10]
+    python benchmarks/gpu_speed.py [--shape qwen3-8b] [--context 1024] [--reps 10] [--qs 1,16,64,128,256,512]
 
 Random weights of a named shape (``workers.models.shapes``) in bf16 on one GPU, with its DFlash-shaped
 drafter (5 layers, block 16). Prints, last, one table:
-- the floor: weight bytes / measured copy bandwidth (a large device-to-device copy);
-- target verify time for q = 1..512 nodes (chain and tree masks): transformers' own forward on a
-  DynamicCache (``AttentionTarget``), our loop eagerly, and our loop replaying a CUDA graph;
+- two floors per pass of q tokens: weight bytes / measured copy bandwidth (a large device-to-device
+  copy), and 2 x matmul parameters (all but the input embedding) x q / measured bf16 matmul rate
+  (an 8192^3 product on random data); the ratio column is graph time over the larger of the two;
+- target verify time per q (chain and tree masks): transformers' own forward on a DynamicCache
+  (``AttentionTarget``; attention-only shapes), our loop eagerly, and our loop replaying a CUDA graph
+  (``--split``: also in two segments of layers on this GPU, one graph per segment);
+- the prompt (``--context`` tokens) through ``prefill`` against the compute floor;
 - the drafter's forward (one block), eager and as a graph, and the tree work per round for
   B = 16..1024 (build on the GPU, unlimited and branching 8; walk; commit);
 - full rounds: AR decode step, DFlash round, DDTree rounds, eager vs graphs;
@@ -29,8 +33,9 @@ from workers.decoding.tree import TreeParams, build_tree, follow_tree
 from workers.models.reference import AttentionTarget
 from workers.models.shapes import build_random_drafter, build_random_target
 from workers.models.static_target import StaticTarget
+from workers.seam import is_hybrid
 
-QS = (1, 16, 64, 128, 256, 512)
+QS = "1,16,64,128,256,512"
 BUDGETS = (16, 64, 256, 1024)
 
 
@@ -54,6 +59,14 @@ def copy_bandwidth() -> float:
     return 2 * source.numel() * 2 / (ms / 1e3)
 
 
+def matmul_rate() -> float:
+    """bf16 FLOP per second of an 8192^3 matrix product on random data."""
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    ms = median_ms(lambda: a @ b, 10)
+    return 2 * 8192**3 / (ms / 1e3)
+
+
 def random_tree(vocab: int, nodes: int, depth: int = 15):
     log_probs = torch.log_softmax(torch.randn(depth, vocab, device="cuda") * 4, dim=-1)
     return build_tree(log_probs, TreeParams(nodes - 1, max_depth=depth))
@@ -68,39 +81,57 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--compile", action="store_true", help="also time torch.compile'd layers under graphs")
     parser.add_argument("--only-forwards", action="store_true", help="stop after the verify table")
+    parser.add_argument("--qs", default=QS, help="verify widths, comma-separated")
+    parser.add_argument("--split", action="store_true",
+                        help="also time the target in two segments of layers on this GPU (one graph per segment)")
+    parser.add_argument("--profile", default="", help="tree widths whose graph pass is profiled by kernel, comma-separated")
     args = parser.parse_args()
     device = torch.device("cuda")
     lines: list[str] = []
 
-    bandwidth = copy_bandwidth()
+    qs = tuple(int(q) for q in args.qs.split(","))
+    bandwidth, rate = copy_bandwidth(), matmul_rate()
     model = build_random_target(args.shape, torch.bfloat16, device)
     drafter = build_random_drafter(args.shape, model)
     vocab = model.config.vocab_size
+    hybrid = is_hybrid(model.config)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    matmul_params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
     floor_ms = weight_bytes / bandwidth * 1e3
-    lines.append(f"{args.shape}: {weight_bytes / 1e9:.1f} GB bf16 weights; copy bandwidth {bandwidth / 1e12:.2f} TB/s "
-                 f"-> floor {floor_ms:.2f} ms per forward; context {args.context}")
+
+    def compute_floor_ms(q: int) -> float:
+        return 2 * matmul_params * q / rate * 1e3
+
+    lines.append(f"{args.shape}: {weight_bytes / 1e9:.1f} GB bf16 weights, {matmul_params / 1e9:.1f}e9 matmul params; "
+                 f"copy bandwidth {bandwidth / 1e12:.2f} TB/s -> weight floor {floor_ms:.2f} ms per forward; "
+                 f"bf16 matmul {rate / 1e12:.0f} TFLOP/s -> compute floor {compute_floor_ms(1):.3f} ms x q; "
+                 f"context {args.context}")
     prompt = torch.randint(1, vocab - 1, (1, args.context), device=device)
     taps = drafter.spec.target_layer_ids
 
     # --- target verify time per q ------------------------------------------------------------------
     eager = StaticTarget(model, taps, graphs=False)
     graphed = StaticTarget(model, taps, graphs=True)
-    plain = AttentionTarget(model, taps)
+    plain = None if hybrid else AttentionTarget(model, taps)  # transformers' cache cannot fork GDN state
+    half = (model.config.num_hidden_layers // 2,)
+    split = StaticTarget(model, taps, graphs=True, segment_starts=half) if args.split else None
     compiled = None
     if args.compile:
         import torch._dynamo as dynamo
 
         dynamo.config.cache_size_limit = 64
         compiled = StaticTarget(model, taps, graphs=True, compile_layers=True)
-    lines.append(f"{'q':>5} {'mask':>5} {'plain ms':>9} {'eager ms':>9} {'graph ms':>9} {'graph/floor':>11} "
-                 f"{'compiled+graph ms':>18}")
-    for q in QS:
+    lines.append(f"{'q':>5} {'mask':>5} {'plain ms':>9} {'eager ms':>9} {'graph ms':>9} {'floor W':>8} "
+                 f"{'floor C':>8} {'graph/floor':>11} {'split ms':>9} {'compiled+graph ms':>18}")
+    for q in qs:
         tree = random_tree(vocab, q).to(device) if q > 1 else None
         for mask in ("chain", "tree") if q > 1 else ("chain",):
             row = []
-            for runner in (plain, eager, graphed):
-                runner.start(capacity=args.context + 600, max_verify=max(QS))
+            for runner in (plain, eager, graphed, split):
+                if runner is None:
+                    row.append(float("nan"))
+                    continue
+                runner.start(capacity=args.context + 600, max_verify=max(qs))
                 runner.prefill(prompt)
                 if mask == "chain":
                     tokens = prompt[0, :q]
@@ -115,14 +146,39 @@ def main() -> int:
             fused = "-"
             if compiled is not None and mask == "chain" and q in (1, 16, 64, 256):
                 begin = time.perf_counter()
-                compiled.start(capacity=args.context + 600, max_verify=max(QS))
+                compiled.start(capacity=args.context + 600, max_verify=max(qs))
                 compiled.prefill(prompt)
                 call = lambda t=prompt[0, :q]: compiled.verify_chain(t)  # noqa: E731
                 call()
                 setup_s = time.perf_counter() - begin
                 fused = f"{median_ms(call, args.reps):.2f} (setup {setup_s:.0f}s)"
-            lines.append(f"{q:>5} {mask:>5} {row[0]:>9.2f} {row[1]:>9.2f} {row[2]:>9.2f} {row[2] / floor_ms:>10.2f}x "
-                         f"{fused:>18}")
+            floor = max(floor_ms, compute_floor_ms(q))
+            lines.append(f"{q:>5} {mask:>5} {row[0]:>9.2f} {row[1]:>9.2f} {row[2]:>9.2f} {floor_ms:>8.2f} "
+                         f"{compute_floor_ms(q):>8.2f} {row[2] / floor:>10.2f}x {row[3]:>9.2f} {fused:>18}")
+
+    for q in (int(q) for q in args.profile.split(",") if q):
+        from forward_anatomy import kernel_breakdown  # a sibling script: benchmarks/ is on sys.path
+
+        graphed.start(capacity=args.context + 600, max_verify=max(qs))
+        graphed.prefill(prompt)
+        tree = random_tree(vocab, q).to(device) if q > 1 else None
+        call = (lambda t=tree: graphed.verify_tree(prompt[0, 0], t)) if tree else (lambda: graphed.verify_chain(prompt[0, :1]))
+        kernel_breakdown(call, f"graph verify q={q}", lines, top=12)
+
+    # --- the prompt --------------------------------------------------------------------------------------
+    def prefill_once(runner=graphed):
+        runner.start(capacity=args.context + 600, max_verify=max(qs))
+        runner.prefill(prompt)
+
+    for label, runner in (("eager", eager), ("graph", graphed)):
+        prefill_ms = median_ms(lambda r=runner: prefill_once(r), 3)
+        lines.append(f"prefill {args.context} tokens, {label}: {prefill_ms:.1f} ms (chunks of {runner.prefill_chunk}); "
+                     f"compute floor {compute_floor_ms(args.context):.1f} ms -> "
+                     f"{prefill_ms / compute_floor_ms(args.context):.2f}x")
+    if args.profile:
+        from forward_anatomy import kernel_breakdown
+
+        kernel_breakdown(prefill_once, f"prefill {args.context}", lines, top=12)
 
     if args.only_forwards:
         print("\n".join(lines))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from workers.models.deltanet import TRANSIENT_BYTES, full_state_bytes, tree_state_bytes
+from workers.models.deltanet import GATHER_BYTES, full_state_bytes, tree_state_bytes
 from workers.models.loading import parse_dtype
 from workers.models.shapes import target_config
 
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     config, dtype = target_config(args.shape), parse_dtype(args.dtype)
     print(f"{args.shape}: {sum(t == 'linear_attention' for t in config.layer_types)} Gated DeltaNet layers, "
           f"{config.linear_num_value_heads} value heads of {config.linear_key_head_dim}x{config.linear_value_head_dim}, "
-          f"model dtype {args.dtype}; transient score matrices capped at {TRANSIENT_BYTES / 2**20:.0f} MiB per layer")
+          f"model dtype {args.dtype}; the torch tree form gathers at most {GATHER_BYTES / 2**20:.0f} MiB per head group")
     print(f"{'budget':>7} {'nodes':>6} {'tree_state_bytes':>17} {'full state/node':>16} {'ratio':>7}")
     for budget in BUDGETS:
         nodes = budget + 1

@@ -72,9 +72,9 @@ class FusedLayer:
         self.o_proj, self.down_proj = attn.o_proj, mlp.down_proj
         self.intermediate = mlp.gate_proj.out_features
         with torch.inference_mode(False), torch.no_grad():  # (this order: inference_mode(False) enables grad)
-            self.qkv_weight = _fuse_rows(attn.q_proj, attn.k_proj, attn.v_proj, "weight")
-            self.qkv_bias = _fuse_rows(attn.q_proj, attn.k_proj, attn.v_proj, "bias")
-            self.gate_up_weight = _fuse_rows(mlp.gate_proj, mlp.up_proj, None, "weight")
+            self.qkv_weight = fuse_rows((attn.q_proj, attn.k_proj, attn.v_proj), "weight")
+            self.qkv_bias = fuse_rows((attn.q_proj, attn.k_proj, attn.v_proj), "bias")
+            self.gate_up_weight = fuse_rows((mlp.gate_proj, mlp.up_proj), "weight")
             self.qk_norm_weight = None
             if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head's D before the rotary
                 self.qk_norm_weight = torch.cat((attn.q_norm.weight.expand(self.query_heads, -1),
@@ -137,10 +137,9 @@ def _rms_norm(hidden: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return F.rms_norm(hidden, norm.weight.shape, norm.weight, norm.variance_epsilon)
 
 
-def _fuse_rows(first: nn.Linear, second: nn.Linear, third: nn.Linear | None, name: str) -> torch.Tensor | None:
+def fuse_rows(modules: tuple[nn.Linear, ...], name: str) -> torch.Tensor | None:
     """Stack the modules' ``name`` tensors along the output rows and make each module's tensor a view
     of the stack (so the weights are stored once). None when the modules have no such tensor."""
-    modules = [m for m in (first, second, third) if m is not None]
     parts = [getattr(m, name) for m in modules]
     if any(p is None for p in parts):
         return None

@@ -1,9 +1,9 @@
 """The target seam on static buffers with our own decoder loop: hybrids, and CUDA graphs for every model.
 
-``StaticTarget`` runs the decoder layers itself, reusing the model's own modules for everything that
-is per token (norms, projections, MLP / MoE, attention with its gate and partial rotary) and
-replacing only the token mixing of Gated DeltaNet layers with ``workers.models.deltanet``'s tree form, in
-which every node continues its parent's conv window and recurrent state. transformers' own forward
+``StaticTarget`` runs the decoder layers itself (this module is the loop and the state): plain
+attention layers as ``FusedLayer``, the token mixing of Gated DeltaNet layers as ``GDNLayer``
+(``workers.models.gdn_layer``: every node continues its parent's conv window and recurrent state),
+and everything else through the model's own modules (norms, MLP / MoE, gated attention). transformers' own forward
 cannot do that: its linear-attention layers ignore a 4-D mask (siblings leak into each other's
 state) and its hybrid cache cannot be rolled back. For attention-only models the same loop gives
 static K/V buffers and a forward whose every tensor has a fixed address, which is what a CUDA graph
@@ -13,7 +13,9 @@ State per sequence: a preallocated K/V buffer per attention layer, and per linea
 window [K-1, C] and recurrent state [H, dk, dv], all updated in place. A verify pass writes its K/V
 after the committed past and leaves each node's conv input, decay and beta (``PendingLayer``);
 ``commit`` moves the accepted K/V rows into place and replays the accepted path as a short chain
-from the committed linear state. The prompt goes through the same pass in chunks (a chain each).
+from the committed linear state. The prompt goes through the same loop in chunks, each a chain kept
+whole: its GDN layers take the chunked delta rule and one batched conv and advance their state inside
+the pass, so nothing is replayed.
 
 With ``graphs=True`` (CUDA), a verify pass of q nodes is captured once as a CUDA graph and then
 replayed: its inputs (ids, depths, parents, visibility, committed length) are copied into static
@@ -21,8 +23,12 @@ buffers, attention reads the whole K/V buffer under a mask built on the device f
 length, and the outputs are the graph's static tensors (valid until the next pass). The commit after
 a replayed pass is captured too, per (pass width, path length); the prompt runs eagerly.
 
-A target split over several GPUs (accelerate ``device_map``) works unchanged in eager mode: the
-hidden state moves to each layer's device, and taps are gathered onto the drafter's device.
+A target split over several GPUs (accelerate ``device_map``) runs in segments, a run of layers on
+one device each: eagerly the hidden state moves to each layer's device and taps are gathered onto
+the drafter's device; with ``graphs=True`` (every part on CUDA) a verify pass is one graph per
+segment, the hidden state and the pass's shared inputs handed to the next segment between replays
+(``segment_starts`` forces more segments, e.g. two on one GPU to test this); such a split target
+commits eagerly and runs its prompt eagerly.
 """
 
 from __future__ import annotations
@@ -31,21 +37,13 @@ import inspect
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from workers.errors import UnsupportedModelError
 from workers.models.attention import grouped_attention_in
-from workers.models.deltanet import (
-    PendingLayer,
-    conv_lag_index,
-    head_group_for,
-    state_after,
-    tree_conv,
-    tree_delta_rule,
-    window_after,
-)
+from workers.models.deltanet import MAX_PATH, PendingLayer, TreeShape
 from workers.models.fused_layer import PassInputs, fused_layer_for
+from workers.models.gdn_layer import gdn_layer_for
 from workers.models.graph_cache import GraphCache, capture
 from workers.seam import DraftTree, VerifyOutput, check_supported, text_config
 
@@ -73,11 +71,11 @@ class _KVBuffers:
             self.stacks.append(stack)
             for j, i in enumerate(ids):
                 self.keys[i], self.values[i], self.pairs[i] = stack[j, 0], stack[j, 1], stack[j]
-        self.slots: torch.Tensor | None = None
+        self.per_device = None  # the pass's shared inputs (``_PerDevice``): its "slots" are where K/V go
         self.attend = 0
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
-        slots = self.slots.to(keys.device)
+        slots = self.per_device.get(keys.device)["slots"]
         self.keys[layer_idx].index_copy_(2, slots, keys)
         self.values[layer_idx].index_copy_(2, slots, values)
         return self.keys[layer_idx][:, :, : self.attend], self.values[layer_idx][:, :, : self.attend]
@@ -96,9 +94,10 @@ class StaticTarget:
         model: nn.Module,
         tap_layer_ids: tuple[int, ...] = (),
         tap_device: torch.device | None = None,
-        prefill_chunk: int = 256,
+        prefill_chunk: int = 1024,
         graphs: bool = False,
         compile_layers: bool = False,
+        segment_starts: tuple[int, ...] = (),
     ) -> None:
         check_supported(model.config)
         self.model = model
@@ -116,13 +115,21 @@ class StaticTarget:
         self.device = self.embed.weight.device
         self.dtype = self.embed.weight.dtype
         devices = {*self.layer_devices, self.device, self.lm_head.weight.device}
-        if graphs and (self.device.type != "cuda" or len(devices) > 1):
-            raise UnsupportedModelError("CUDA graphs need the whole target on one CUDA device")
+        if graphs and any(device.type != "cuda" for device in devices):
+            raise UnsupportedModelError("CUDA graphs need every part of the target on CUDA devices")
         self.graphs = graphs
+        self.one_device = len(devices) == 1
+        # segments: runs of layers on one device (plus any forced starts); with graphs, one graph per
+        # segment and pass width, the hidden state handed from segment to segment between replays
+        count = len(self.layers)
+        starts = sorted({0, *(i for i in segment_starts if 0 < i < count),
+                         *(i for i in range(1, count) if self.layer_devices[i] != self.layer_devices[i - 1])})
+        self.segments = list(zip(starts, [*starts[1:], count]))
         # experimental: torch.compile fuses the layers' small elementwise kernels (norms, rotary, gates)
         self._run_layers = torch.compile(self._layers, dynamic=False) if compile_layers else self._layers
         # plain attention layers run as FusedLayer (few kernels); others through transformers' modules
         self.fused = {i: fused_layer_for(self.layers[i], self.config) for i in self.attention_ids}
+        self.gdn = {i: gdn_layer_for(self.layers[i].linear_attn) for i in self.linear_ids}
         if self.attention_ids:  # transformers renamed the attention modules' ``past_key_values`` to ``cache``
             params = inspect.signature(self.layers[self.attention_ids[0]].self_attn.forward).parameters
             self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -169,11 +176,7 @@ class StaticTarget:
         self.conv_windows: dict[int, torch.Tensor] = {}
         self.states: dict[int, torch.Tensor] = {}
         for i in self.linear_ids:
-            mixer = self.layers[i].linear_attn
-            window = mixer.conv_kernel_size - 1
-            self.conv_windows[i] = torch.zeros(window, mixer.conv_dim, dtype=self.dtype, device=self.layer_devices[i])
-            shape = (mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim)
-            self.states[i] = torch.zeros(shape, dtype=torch.float32, device=self.layer_devices[i])
+            self.conv_windows[i], self.states[i] = self.gdn[i].new_state(self.dtype, self.layer_devices[i])
         # the verify pass's inputs: sliced to q nodes in eager mode, read whole by a graph of width q
         self._ids = torch.zeros(max_verify, dtype=torch.long, device=device)
         self._depths = torch.zeros(max_verify, dtype=torch.long, device=device)
@@ -184,13 +187,18 @@ class StaticTarget:
         self._columns = torch.arange(capacity, device=device)
         # verify graphs by pass width (a few kept), commit graphs by (width, path length)
         self._graphs = GraphCache(MAX_VERIFY_GRAPHS, on_evict=self._drop_commit_graphs)
-        self._commit_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._graph_width: int | None = None  # width of the last pass if it was a graph replay
+        self._commit_graphs: dict[tuple[tuple[int, bool], int], torch.cuda.CUDAGraph] = {}
+        self._graph_width: tuple[int, bool] | None = None  # (width, long chain) of the last pass if replayed
         self._chains: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # q -> depths, parents, visible
+        # a full prompt chunk's pass, captured once (graphs only): ids, then the chain's constant shape
+        self._prefill_ids = torch.zeros(self.prefill_chunk, dtype=torch.long, device=device)
+        self._prefill_depths = torch.arange(self.prefill_chunk, device=device)
+        self._prefill_shape = _chain(self.prefill_chunk, device) if self.graphs else None
+        self._prefill_graph: tuple[torch.cuda.CUDAGraph, VerifyOutput] | None = None
         self._buffers_hold_chain: int | None = None  # width of the chain whose shape the input buffers hold
 
-    def _drop_commit_graphs(self, width: int) -> None:
-        for key in [key for key in self._commit_graphs if key[0] == width]:
+    def _drop_commit_graphs(self, graph_key: tuple[int, bool]) -> None:
+        for key in [key for key in self._commit_graphs if key[0] == graph_key]:
             del self._commit_graphs[key]
 
     # -- forwards ----------------------------------------------------------------------------------
@@ -200,9 +208,8 @@ class StaticTarget:
         for begin in range(0, input_ids.shape[1], self.prefill_chunk):
             chunk = input_ids[0, begin : begin + self.prefill_chunk].to(self.device)
             q = chunk.shape[0]
-            parents, visible = _chain(q, self.device)
-            out = self._forward(chunk, torch.arange(q, device=self.device), parents, visible, last_only=True)
-            self.commit(torch.arange(q))
+            out = self._prefill_chunk(chunk)
+            self.length += q
             taps.append(out.taps)
             logits = out.logits
         self.peak_state_bytes = 0  # the metric is about verify rounds, not the prompt
@@ -221,6 +228,37 @@ class StaticTarget:
         depths = torch.cat((torch.zeros(1, dtype=torch.long, device=self.device), tree.depths.to(self.device)))
         return self._verify(ids, depths, tree.parents.to(self.device), tree.visibility.to(self.device))
 
+    def _prefill_chunk(self, chunk: torch.Tensor) -> VerifyOutput:
+        """One chunk of the prompt, a chain kept whole: GDN layers advance their state inside the pass and
+        the K/V rows are already in place. With graphs, a full chunk replays one captured pass."""
+        q = chunk.shape[0]
+        if not self.graphs or q != self.prefill_chunk or not self.one_device:
+            parents, visible = _chain(q, self.device)
+            return self._forward(chunk, torch.arange(q, device=self.device), parents, visible, last_only=True,
+                                 chain=True, commit=True)
+        self._prefill_ids.copy_(chunk)
+        self._length.fill_(self.length)
+        if self._prefill_graph is None:
+            live = [*self.states.values(), *self.conv_windows.values()]
+            saved = [t.clone() for t in live]  # capture's warm-ups run the pass, advancing the GDN state
+            static = (self._prefill_ids, self._prefill_depths, *self._prefill_shape)
+            try:
+                self._prefill_graph = capture(lambda: self._forward(*static, last_only=True, attend=self.capacity,
+                                                                    chain=True, commit=True))
+            except RuntimeError as exc:  # as for a verify pass: run eagerly from here on
+                warnings.warn(f"CUDA graph capture failed ({type(exc).__name__}: {str(exc)[:200]}); running eagerly",
+                              stacklevel=3)
+                self.graphs = False
+            finally:
+                for tensor, copy in zip(live, saved):
+                    tensor.copy_(copy)
+            if not self.graphs:
+                return self._prefill_chunk(chunk)
+        graph, out = self._prefill_graph
+        graph.replay()
+        # the graph's outputs are overwritten by its next replay (a later chunk): copies
+        return VerifyOutput(logits=out.logits.clone(), taps=out.taps.clone() if self.tap_layer_ids else out.taps)
+
     # -- commit ------------------------------------------------------------------------------------
     def commit(self, kept: torch.Tensor) -> None:
         """Keep the verified nodes ``kept`` (root ... accepted node, a path) of the last pass.
@@ -235,7 +273,7 @@ class StaticTarget:
         self._kept[:count].copy_(kept)
         self._length.fill_(self.length)
         key = (self._graph_width, count)
-        if self._graph_width is None:
+        if self._graph_width is None or not self.one_device:  # (a split target commits eagerly)
             self._commit_core(count)
         elif key in self._commit_graphs:
             self._commit_graphs[key].replay()
@@ -254,24 +292,16 @@ class StaticTarget:
         # accepted K/V rows move to the slots after the committed past
         self.kv.move(length + self._kept[:count], length + self._columns[:count])
         for i in self.linear_ids:  # replay the accepted path as a chain from the committed state
-            pending, path = self.pending[i], self._kept[:count].to(self.layer_devices[i])
-            mixer = self.layers[i].linear_attn
-            window = mixer.conv_kernel_size - 1
-            parents, visible = _chain(count, path.device)
-            _, (keys, deltas, G), _ = self._delta_rule(
-                i, mixer, pending.extended[window + path], pending.log_gate[path], pending.beta[path],
-                conv_lag_index(parents, window), visible, head_group=None, with_outputs=False,
-            )
-            new_state = state_after(self.states[i], keys, deltas, G, torch.arange(count, device=path.device))
-            new_window = window_after(pending.extended, pending.lag_index, path[-1:])
-            self.states[i].copy_(new_state)  # in place: captured graphs read these tensors
-            self.conv_windows[i].copy_(new_window)
+            path = self._kept[:count].to(self.layer_devices[i])
+            self.gdn[i].commit(self.pending[i], path, self.conv_windows[i], self.states[i])
 
     # -- internals ---------------------------------------------------------------------------------
     def _verify(self, ids, depths, parents, visible, chain: bool = False) -> VerifyOutput:
-        if not self.graphs:
-            return self._forward(ids, depths, parents, visible, last_only=False)
         q = ids.shape[0]
+        # a chain too long for the tree form goes through GDN layers in chunked form: its own graphs
+        long_chain = chain and q > MAX_PATH
+        if not self.graphs:
+            return self._forward(ids, depths, parents, visible, last_only=False, chain=long_chain)
         self._ids[:q].copy_(ids)
         # every small copy before a replay is a launch the idle GPU waits for: a chain's shape is
         # copied only when the buffers do not already hold the chain of this width
@@ -281,30 +311,91 @@ class StaticTarget:
             self._visible[:q, :q].copy_(visible)
             self._buffers_hold_chain = q if chain else None
         self._length.fill_(self.length)
-        if q not in self._graphs:
+        key = (q, long_chain)
+        if key not in self._graphs:
             try:
-                self._graphs[q] = self._capture(q)
+                self._graphs[key] = self._capture(q, long_chain)
             except RuntimeError as exc:  # e.g. MoE routing with data-dependent shapes cannot be captured
                 warnings.warn(f"CUDA graph capture failed ({type(exc).__name__}: {str(exc)[:200]}); running eagerly",
                               stacklevel=2)
                 self.graphs = False
-                return self._forward(ids, depths, parents, visible, last_only=False)
-        graph, out, pending, state_bytes = self._graphs[q]
+                return self._forward(ids, depths, parents, visible, last_only=False, chain=long_chain)
+        graph, out, pending, state_bytes = self._graphs[key]
         graph.replay()
-        self._graph_width = q
+        self._graph_width = key
         self.pending, self.state_bytes = dict(pending), state_bytes
         self.peak_state_bytes = max(self.peak_state_bytes, state_bytes)
         return out
 
-    def _capture(self, q: int):
+    def _capture(self, q: int, chain: bool):
         """Record the width-q pass reading the static inputs; returns (graph, outputs, pending, state bytes)."""
         static = (self._ids[:q], self._depths[:q], self._parents[:q], self._visible[:q, :q])
         # the warm-ups write K/V only after the committed past, which is free space
-        graph, out = capture(lambda: self._forward(*static, last_only=False, attend=self.capacity))
-        return graph, out, dict(self.pending), self.state_bytes
+        if len(self.segments) == 1:
+            graph, out = capture(lambda: self._forward(*static, last_only=False, attend=self.capacity, chain=chain))
+        else:
+            graph, out = self._capture_segments(lambda: self._head(*static, self.capacity, chain), last_only=False)
+        pending = dict(self.pending)
+        return graph, out, pending, sum(p.nbytes() for p in pending.values())
 
-    def _forward(self, ids, depths, parents, visible, last_only: bool, attend: int | None = None) -> VerifyOutput:
-        """One pass over q nodes after the committed past. ``attend`` = K/V slots read (graphs: all)."""
+    def _capture_segments(self, head, last_only: bool):
+        """One graph per segment of layers; the first also runs ``head``, the last the final norm and
+        lm_head. A segment on the previous one's device reads its output in place; on another device
+        it reads static copies of the hidden state and the pass's shared inputs, refreshed between
+        replays (the hand-off). Returns (an object whose ``replay`` runs it all, the outputs)."""
+        steps, context, keep = [], {}, []
+
+        def first():
+            hidden, per_device = head()
+            captured: dict[int, torch.Tensor] = {}
+            with grouped_attention_in(self.config):
+                hidden = self._run_layers(hidden, per_device, captured, False, *self.segments[0])
+            context.update(per_device=per_device, captured=captured)  # those of the recorded call
+            return hidden
+
+        graph, hidden = capture(first)
+        steps.append(graph.replay)
+        # a later segment's warm-ups read this graph's outputs (K/V slots among them): make them real
+        graph.replay()
+        per_device, captured = context["per_device"], context["captured"]
+        last = len(self.segments) - 1
+        for k, (start, end) in enumerate(self.segments[1:], 1):
+            device = self.layer_devices[start]
+            received = hidden
+            if device != hidden.device:
+                received = torch.empty_like(hidden, device=device)
+                copies = per_device.get(device)  # made now, outside any graph: static buffers on `device`
+                steps.append(lambda dst=received, src=hidden, copies=copies: (
+                    dst.copy_(src), [_copy_into(copies[n], per_device.tensors[n]) for n in copies]))
+
+            def segment(inp=received, start=start, end=end, k=k):
+                with grouped_attention_in(self.config):
+                    out = self._run_layers(inp, per_device, captured, False, start, end)
+                return self._tail(out, captured, last_only) if k == last else out
+
+            keep.append(received)
+            steps[-1]()  # the hand-off (or the previous replay again): real inputs for the warm-ups
+            with torch.cuda.device(device):
+                graph, hidden = capture(segment)
+            steps.append(graph.replay)
+            if k < last:
+                graph.replay()
+        # the graphs hold no Python references: keep every tensor a later graph reads alive with them
+        return _Steps(steps, keep=[keep, per_device, captured]), hidden
+
+    def _forward(self, ids, depths, parents, visible, last_only: bool, attend: int | None = None,
+                 chain: bool = False, commit: bool = False) -> VerifyOutput:
+        """One pass over q nodes after the committed past. ``attend`` = K/V slots read (graphs: all);
+        ``chain``: the nodes are a line; ``commit``: GDN layers keep all of them (the prompt)."""
+        hidden, per_device = self._head(ids, depths, parents, visible, attend, chain)
+        captured: dict[int, torch.Tensor] = {}
+        with grouped_attention_in(self.config):
+            for start, end in self.segments:
+                hidden = self._run_layers(hidden, per_device, captured, commit, start, end)
+        return self._tail(hidden, captured, last_only)
+
+    def _head(self, ids, depths, parents, visible, attend: int | None, chain: bool):
+        """The embedding and what every layer of the pass shares: (hidden [1, q, H], ``_PerDevice``)."""
         q = ids.shape[0]
         self._graph_width = None
         if attend is None:  # eager: the committed length is known on the host
@@ -313,7 +404,7 @@ class StaticTarget:
             # bit); on the CPU only the committed past and this pass
             attend = self.capacity if self.device.type == "cuda" else self.length + q
         length = self._length
-        self.kv.slots = length + self._columns[:q]
+        slots = length + self._columns[:q]
         self.kv.attend = attend
         hidden = self.embed(ids).unsqueeze(0)  # [1, q, H]
         positions = (length + depths).unsqueeze(0)
@@ -321,17 +412,19 @@ class StaticTarget:
             positions = positions.unsqueeze(0).expand(3, 1, q)
         cos, sin = self.rotary(hidden, positions)
         mask = self._attention_mask(length, visible, attend)
-        shared = {"cos": cos, "sin": sin, "mask": mask, "parents": parents, "visible": visible}
+        shared = {"cos": cos, "sin": sin, "mask": mask, "slots": slots}
+        if self.linear_ids:
+            window = self.gdn[self.linear_ids[0]].window
+            shared["tree"] = TreeShape.build(parents, window, chain)
         if any(self.fused.values()):
             groups = self.config.num_attention_heads // self.config.num_key_value_heads
-            shared["fused"] = PassInputs.build(cos, sin, self.kv.slots, mask[0, 0], groups)
+            shared["fused"] = PassInputs.build(cos, sin, slots, mask[0, 0], groups)
         per_device = _PerDevice(**shared)
-        head_group = head_group_for(q)
-
-        captured: dict[int, torch.Tensor] = {}
+        self.kv.per_device = per_device
         self.state_bytes = 0
-        with grouped_attention_in(self.config):
-            hidden = self._run_layers(hidden, per_device, head_group, captured)
+        return hidden, per_device
+
+    def _tail(self, hidden: torch.Tensor, captured: dict, last_only: bool) -> VerifyOutput:
         if last_only:
             hidden = hidden[:, -1:]
         hidden = self.norm(hidden.to(self.norm.weight.device))
@@ -339,25 +432,29 @@ class StaticTarget:
         self.peak_state_bytes = max(self.peak_state_bytes, self.state_bytes)
         return VerifyOutput(logits=logits, taps=self._taps(captured))
 
-    def _layers(self, hidden, per_device: _PerDevice, head_group: int, captured: dict) -> torch.Tensor:
-        """The decoder layers over the pass's hidden states [1, q, H]; fills ``captured`` with taps."""
-        for i, layer in enumerate(self.layers):
+    def _layers(self, hidden, per_device: _PerDevice, captured: dict, commit: bool, start: int, end: int):
+        """Decoder layers start..end-1 over the pass's hidden states [1, q, H]; fills ``captured`` with taps."""
+        for i in range(start, end):
+            layer = self.layers[i]
             on = per_device.get(self.layer_devices[i])
             hidden = hidden.to(self.layer_devices[i])
             fused = self.fused.get(i)
             if fused is not None:
                 hidden = fused(hidden, on["fused"], self.kv.pairs[i], self.kv.attend)
             else:
-                hidden = self._module_layer(i, layer, hidden, on, head_group)
+                hidden = self._module_layer(i, layer, hidden, on, commit)
             if i in self.tap_layer_ids:
                 captured[i] = hidden
         return hidden
 
-    def _module_layer(self, i: int, layer: nn.Module, hidden: torch.Tensor, on: dict, head_group: int) -> torch.Tensor:
+    def _module_layer(self, i: int, layer: nn.Module, hidden: torch.Tensor, on: dict, commit: bool) -> torch.Tensor:
         """One decoder layer through transformers' own modules (linear attention: our tree form)."""
         mixed = layer.input_layernorm(hidden)
         if self.layer_types[i] == "linear_attention":
-            mixed = self._linear_attention(i, layer.linear_attn, mixed, on["parents"], on["visible"], head_group)
+            mixed, pending = self.gdn[i](mixed, on["tree"], self.conv_windows[i], self.states[i], commit)
+            if pending is not None:
+                self.pending[i] = pending
+                self.state_bytes += pending.nbytes()
         else:
             kwargs = {self._cache_kwarg: self.kv}
             mixed = layer.self_attn(
@@ -378,36 +475,6 @@ class StaticTarget:
         mask = torch.full((q, attend), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
         return mask.masked_fill_(allowed, 0.0)[None, None]
 
-    def _linear_attention(self, i, mixer, hidden, parents, visible, head_group) -> torch.Tensor:
-        """One Gated DeltaNet layer over the pass's nodes: [1, q, H] -> [1, q, H]."""
-        q = hidden.shape[1]
-        mixed_qkv, z, b, a = _project(mixer, hidden[0])
-        beta = b.sigmoid()
-        log_gate = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)  # [q, H] <= 0
-        lag_index = conv_lag_index(parents, mixer.conv_kernel_size - 1)
-        out, _, extended = self._delta_rule(i, mixer, mixed_qkv, log_gate, beta, lag_index, visible, head_group)
-        self.pending[i] = PendingLayer(extended, lag_index, log_gate, beta)
-        self.state_bytes += self.pending[i].nbytes()
-        out = mixer.norm(out.to(hidden.dtype).reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
-        return mixer.out_proj(out.reshape(1, q, -1))
-
-    def _delta_rule(self, i, mixer, conv_inputs, log_gate, beta, lag_index, visible, head_group, with_outputs=True):
-        """Conv + gated delta rule from layer i's committed state over nodes shaped by (lag_index,
-        visible); returns (outputs [q, H, dv] or None, (keys, deltas, G) for ``state_after``, conv inputs)."""
-        q = conv_inputs.shape[0]
-        weight = mixer.conv1d.weight[:, 0, :]  # [C, K]
-        conv_out, extended = tree_conv(conv_inputs, self.conv_windows[i], weight, mixer.conv1d.bias, lag_index)
-        query, key, value = torch.split(
-            conv_out.to(conv_inputs.dtype), [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1
-        )
-        query = query.reshape(q, -1, mixer.head_k_dim)
-        key = key.reshape(q, -1, mixer.head_k_dim)
-        value = value.reshape(q, -1, mixer.head_v_dim)
-        out, keys, deltas, G = tree_delta_rule(
-            query, key, value, log_gate, beta, self.states[i], visible, head_group, with_outputs
-        )
-        return out, (keys, deltas, G), extended
-
     def _taps(self, captured: dict[int, torch.Tensor]) -> torch.Tensor:
         if not self.tap_layer_ids:
             return torch.empty(0)
@@ -415,23 +482,30 @@ class StaticTarget:
         return torch.cat([captured[i].to(device) for i in self.tap_layer_ids], dim=-1)
 
 
-def _project(mixer: nn.Module, hidden: torch.Tensor):
-    """(conv input [q, C], z [q, H, dv], b [q, H], a [q, H]) for Qwen3.5's split projections or
-    Qwen3-Next's fused, per-key-head interleaved ones."""
-    q = hidden.shape[0]
-    if hasattr(mixer, "in_proj_qkvz"):
-        query, key, value, z, b, a = mixer.fix_query_key_value_ordering(
-            mixer.in_proj_qkvz(hidden[None]), mixer.in_proj_ba(hidden[None])
-        )
-        mixed = torch.cat([x.reshape(q, -1) for x in (query, key, value)], dim=-1)
-        return mixed, z[0], b[0], a[0]
-    z = mixer.in_proj_z(hidden).reshape(q, -1, mixer.head_v_dim)
-    return mixer.in_proj_qkv(hidden), z, mixer.in_proj_b(hidden), mixer.in_proj_a(hidden)
-
-
 def _chain(q: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(parents, visibility) of q nodes in a line."""
     return torch.arange(-1, q - 1, device=device), torch.ones(q, q, dtype=torch.bool, device=device).tril()
+
+
+class _Steps:
+    """Segment graphs and the copies between them, replayed in order (quacks like a CUDA graph)."""
+
+    def __init__(self, steps: list, keep: list) -> None:
+        self.steps, self.keep = steps, keep
+
+    def replay(self) -> None:
+        for step in self.steps:
+            step()
+
+
+def _copy_into(target, source) -> None:
+    """Refresh a static copy (a tensor, or an object of tensors such as ``TreeShape``) from ``source``."""
+    if isinstance(target, torch.Tensor):
+        target.copy_(source)
+        return
+    for name, value in vars(target).items():
+        if isinstance(value, torch.Tensor):
+            value.copy_(getattr(source, name))
 
 
 class _PerDevice:

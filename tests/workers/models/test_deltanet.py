@@ -1,8 +1,8 @@
-"""The tree form of the gated delta rule and the tree conv against transformers' own sequential code.
+"""The tree and chunked forms of the gated delta rule and the tree conv against transformers' own sequential code.
 
 For every node of a random tree, transformers' recurrent kernel and causal conv run along that
 node's path alone (root ... node, from the committed state); the tree pass must give the same output,
-and the commit must give the same state and conv window as the sequential run.
+and the commit (the path replayed in chunked form) the same state and conv window as the sequential run.
 """
 
 from __future__ import annotations
@@ -12,8 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from workers.models.deltanet import (
+    MAX_PATH,
+    ancestor_table,
+    chain_conv,
+    chain_delta_rule,
     conv_lag_index,
-    state_after,
     tree_conv,
     tree_delta_rule,
     window_after,
@@ -45,27 +48,86 @@ def visibility(parents: torch.Tensor) -> torch.Tensor:
     return visible
 
 
-@pytest.mark.parametrize("seed", range(6))
+def random_parents_of_depth(q: int, depth: int, generator: torch.Generator) -> torch.Tensor:
+    """A random tree with every node at depth <= ``depth`` (parents precede children)."""
+    parents, depths = [-1], [0]
+    for t in range(1, q):
+        choices = [j for j in range(t) if depths[j] < depth]
+        parent = choices[int(torch.randint(0, len(choices), (1,), generator=generator))]
+        parents.append(parent)
+        depths.append(depths[parent] + 1)
+    return torch.tensor(parents)
+
+
+def random_inputs(q: int, generator: torch.Generator, hk: int = 2, h: int = 4, dk: int = 8, dv: int = 6):
+    query, key = torch.randn(q, hk, dk, generator=generator), torch.randn(q, hk, dk, generator=generator)
+    value = torch.randn(q, h, dv, generator=generator)
+    log_gate = -torch.rand(q, h, generator=generator) * 2
+    beta = torch.rand(q, h, generator=generator)
+    state = torch.randn(h, dk, dv, generator=generator) * 0.3
+    return query, key, value, log_gate, beta, state
+
+
+def sequential(query, key, value, log_gate, beta, state, path):
+    """transformers' recurrent kernel along ``path``: (outputs [p, H, dv], final state [H, dk, dv])."""
+    out, final = qwen3_5.torch_recurrent_gated_delta_rule(
+        query[path][None], key[path][None], value[path][None], log_gate[path][None], beta[path][None],
+        initial_state=state[None], output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )
+    return out[0], final[0]
+
+
+@pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("chain", [False, True])
 def test_tree_delta_rule_matches_sequential_per_path(seed: int, chain: bool) -> None:
+    """Trees of 1..65 nodes and depth up to MAX_PATH - 1 (the deepest a tree pass takes), and chains of up to 16."""
     g = torch.Generator().manual_seed(seed)
-    q, hk, h, dk, dv = 1 + 3 * seed + 4, 2, 4, 8, 6
-    parents = random_parents(q, g, chain)
-    query, key = torch.randn(q, hk, dk, generator=g), torch.randn(q, hk, dk, generator=g)
-    value = torch.randn(q, h, dv, generator=g)
-    log_gate = -torch.rand(q, h, generator=g) * 2
-    beta = torch.rand(q, h, generator=g)
-    state = torch.randn(h, dk, dv, generator=g) * 0.3
-
-    out, keys, deltas, G = tree_delta_rule(query, key, value, log_gate, beta, state, visibility(parents), head_group=3)
+    q = min(1 + 3 * seed + 4, MAX_PATH) if chain else (1, 5, 12, 33, 65, 40, 9, 64)[seed]
+    depth = (1, 2, 4, 7, 15, 15, 3, 6)[seed]
+    parents = random_parents(q, g, chain) if chain else random_parents_of_depth(q, depth, g)
+    inputs = random_inputs(q, g)
+    out = tree_delta_rule(*inputs, ancestor_table(parents))
     for node in range(q):
         path = path_of(parents, node)
-        ref_out, ref_state = qwen3_5.torch_recurrent_gated_delta_rule(
-            query[path][None], key[path][None], value[path][None], log_gate[path][None], beta[path][None],
-            initial_state=state[None], output_final_state=True, use_qk_l2norm_in_kernel=True,
-        )
-        torch.testing.assert_close(out[node], ref_out[0, -1], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(state_after(state, keys, deltas, G, torch.tensor(path)), ref_state[0], atol=1e-5, rtol=1e-5)
+        ref_out, ref_state = sequential(*inputs, path)
+        torch.testing.assert_close(out[node], ref_out[-1], atol=1e-5, rtol=1e-5)
+        # the commit's replay: the path as a chain in chunked form, from the committed state
+        query, key, value, log_gate, beta, state = inputs
+        _, committed = chain_delta_rule(query[path], key[path], value[path], log_gate[path], beta[path], state,
+                                        with_outputs=False, chunk=4)
+        torch.testing.assert_close(committed, ref_state, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("length, chunk", [(1, 64), (7, 64), (13, 4), (64, 16), (100, 32), (129, 64)])
+def test_chunked_chain_matches_the_recurrent_kernel(length: int, chunk: int) -> None:
+    """Outputs of every token and the state after the last, over chunk boundaries and a padded last chunk."""
+    g = torch.Generator().manual_seed(length)
+    inputs = random_inputs(length, g, hk=2, h=6, dk=16, dv=8)
+    out, state = chain_delta_rule(*inputs, chunk=chunk)
+    ref_out, ref_state = sequential(*inputs, list(range(length)))
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state, ref_state, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_chain_of_a_prompt_equals_the_tree_form_per_token_and_its_commit() -> None:
+    """Prefill (chunked, state kept whole) against the tree pass over the same chain: same outputs, and the
+    chunked final state equals the tree pass's commit replay of the whole chain."""
+    g = torch.Generator().manual_seed(3)
+    inputs = random_inputs(MAX_PATH, g)
+    parents = torch.arange(-1, MAX_PATH - 1)
+    tree_out = tree_delta_rule(*inputs, ancestor_table(parents))
+    chunk_out, chunk_state = chain_delta_rule(*inputs, chunk=5)
+    _, replay_state = chain_delta_rule(*inputs, with_outputs=False, chunk=MAX_PATH)
+    torch.testing.assert_close(chunk_out, tree_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunk_state, replay_state, atol=1e-5, rtol=1e-5)
+
+
+def test_ancestor_table_refuses_a_tree_deeper_than_its_width() -> None:
+    parents = torch.arange(-1, MAX_PATH)  # a chain of MAX_PATH + 1 nodes: depth MAX_PATH
+    with pytest.raises(ValueError, match="deeper"):
+        ancestor_table(parents)
+    table = ancestor_table(parents[:MAX_PATH])
+    assert table[-1].tolist() == list(range(MAX_PATH - 1, -1, -1))
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -93,3 +155,13 @@ def test_tree_conv_from_an_empty_window_zero_pads_like_the_first_tokens() -> Non
     out, _ = tree_conv(inputs, torch.zeros(3, 3), weight, None, conv_lag_index(parents, 3))
     reference = F.silu(F.conv1d(inputs.T[None], weight[:, None], padding=3, groups=3))[0, :, :2].T
     torch.testing.assert_close(out, reference)
+
+
+def test_chain_conv_equals_the_tree_conv_of_a_chain() -> None:
+    g = torch.Generator().manual_seed(11)
+    inputs, committed, weight = torch.randn(9, 5, generator=g), torch.randn(3, 5, generator=g), torch.randn(5, 4, generator=g)
+    bias = torch.randn(5, generator=g)
+    want, want_ext = tree_conv(inputs, committed, weight, bias, conv_lag_index(torch.arange(-1, 8), 3))
+    got, got_ext = chain_conv(inputs, committed, weight, bias)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert torch.equal(got_ext, want_ext)

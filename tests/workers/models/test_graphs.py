@@ -79,3 +79,86 @@ def test_replayed_tree_build_equals_the_eager_build(tiny):
             got = graphs.build_tree(logits, params)
             for name in ("tokens", "depths", "parents", "visibility", "log_probs"):
                 assert torch.equal(getattr(want, name), getattr(got, name)), (name, params)
+
+
+@pytest.mark.parametrize("name", ["tiny_hybrid", "tiny"])
+@torch.inference_mode()  # as the engines run the target
+def test_prompt_chunks_replayed_from_a_graph_equal_eager(request, name):
+    """Full prompt chunks replay one captured pass (its warm-ups must not advance the GDN state);
+    the logits, the taps and the tokens generated after it equal the eager prompt's."""
+    tiny = request.getfixturevalue(name)
+    model = copy.deepcopy(tiny.model).cuda()
+    taps = tiny.drafter.spec.target_layer_ids
+    prompt = torch.randint(1, tiny.shape.vocab_size, (1, 29), generator=torch.Generator().manual_seed(3)).cuda()
+    outputs = []
+    for graphs in (False, True):
+        target = StaticTarget(model, taps, prefill_chunk=8, graphs=graphs)
+        for _ in range(2):  # the second prompt replays the graph captured during the first
+            target.start(capacity=128, max_verify=16)
+            opening = target.prefill(prompt)
+            tokens = ar.generate(target, None, prompt, GenerationConfig(max_new_tokens=12)).token_ids
+        outputs.append((opening.logits, opening.taps, tokens))
+        if graphs:
+            assert target._prefill_graph is not None
+    (logits, taps_eager, tokens), (logits_g, taps_g, tokens_g) = outputs
+    torch.testing.assert_close(logits_g, logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(taps_g, taps_eager, atol=1e-5, rtol=1e-5)
+    assert tokens == tokens_g
+
+
+@pytest.mark.parametrize("name", ["tiny_hybrid", "tiny"])
+def test_two_segment_graphs_on_one_gpu_equal_the_unsplit_target(request, name):
+    """A target in two segments of layers replays one graph per segment and width, the hidden state
+    handed between them; every engine's tokens equal the unsplit eager run's, and a tree pass's logits
+    the unsplit graph's."""
+    tiny = request.getfixturevalue(name)
+    model = copy.deepcopy(tiny.model).cuda()
+    drafter = copy.deepcopy(tiny.drafter).cuda()
+    taps = drafter.spec.target_layer_ids
+    eager = StaticTarget(model, taps, graphs=False)
+    whole = StaticTarget(model, taps, graphs=True)
+    split = StaticTarget(model, taps, graphs=True, segment_starts=(len(model.model.layers) // 2,))
+    assert len(split.segments) == 2
+    vocab = tiny.shape.vocab_size
+    for seed in range(2):
+        prompt = torch.randint(1, vocab, (1, 6 + 9 * seed), generator=torch.Generator().manual_seed(seed)).cuda()
+        config = GenerationConfig(max_new_tokens=32, seed=seed)
+        for _, engine, params in ENGINES:
+            want = engine(eager, drafter if params else None, prompt, config, params)
+            got = engine(split, drafter if params else None, prompt, config, params)
+            assert got.token_ids == want.token_ids
+    assert split._graphs and all(type(split._graphs[key][0]).__name__ == "_Steps" for key in split._graphs.keys())
+    log_probs = torch.log_softmax(torch.randn(7, vocab, generator=torch.Generator().manual_seed(9)) * 2, dim=-1)
+    tree = build_tree(log_probs, TreeParams(24)).to(torch.device("cuda"))
+    outputs = []
+    with torch.inference_mode():
+        for target in (whole, split):
+            target.start(capacity=128, max_verify=32)
+            target.prefill(prompt)
+            out = target.verify_tree(prompt[0, -1], tree)
+            outputs.append((out.logits.clone(), out.taps.clone()))
+    torch.testing.assert_close(outputs[1][0], outputs[0][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outputs[1][1], outputs[0][1], atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_a_target_over_cuda_and_the_cpu_runs_eagerly_and_matches(tiny_hybrid):
+    """Half the layers (and the head) on the CPU: eager segments hand the hidden state across devices."""
+    model = copy.deepcopy(tiny_hybrid.model).cuda()
+    half = len(model.model.layers) // 2
+    reference = StaticTarget(copy.deepcopy(model), graphs=False)
+    for layer in model.model.layers[half:]:
+        layer.cpu()
+    model.model.norm.cpu()
+    model.lm_head.cpu()
+    split = StaticTarget(model, graphs=False)
+    assert len(split.segments) == 2
+    prompt = torch.randint(1, 6, (1, 11), generator=torch.Generator().manual_seed(2)).cuda()
+    tree = build_tree(torch.log_softmax(torch.randn(5, 6, generator=torch.Generator().manual_seed(1)), -1),
+                      TreeParams(12))
+    outputs = []
+    for target in (reference, split):
+        target.start(capacity=64, max_verify=16)
+        target.prefill(prompt)
+        outputs.append(target.verify_tree(prompt[0, -1], tree.to(torch.device("cuda"))).logits.float().cpu())
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-4, rtol=1e-4)

@@ -1,0 +1,68 @@
+"""Gated DeltaNet tree pass pieces at a real model's head sizes, one layer, on CUDA.
+
+    python benchmarks/gdn_kernels.py [--shape qwen3.6-27b]
+
+Times (median, CUDA graph replay of one call) the torch prologue (l2 norms, products with the
+committed state, r) and the Triton path solve for tree widths q = 17..1025 of depth 15, with 1, 2
+and 4 warps per program, against the torch path solve; and checks the kernel against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from forward_anatomy import graphed
+from gpu_speed import median_ms
+
+from workers.models.deltanet import ancestor_table, tree_delta_rule_normalized
+from workers.models.gdn_triton import tree_path_outputs
+from workers.models.shapes import TARGETS
+
+
+def random_parents(q: int, depth: int) -> torch.Tensor:
+    parents, depths = [-1], [0]
+    for t in range(1, q):
+        parent = int(torch.randint(0, t, (1,)))
+        while depths[parent] >= depth:
+            parent = parents[parent]
+        parents.append(parent)
+        depths.append(depths[parent] + 1)
+    return torch.tensor(parents)
+
+
+@torch.inference_mode()
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen3.6-27b")
+    args = parser.parse_args()
+    shape = TARGETS[args.shape]
+    hk, h, dk, dv = (shape["linear_num_key_heads"], shape["linear_num_value_heads"], shape["linear_key_head_dim"],
+                     shape["linear_value_head_dim"])
+    lines = [f"{args.shape}: one GDN layer, {hk} key heads, {h} value heads of {dk}x{dv}"]
+    lines.append(f"{'q':>5} {'whole ms':>9} {'solve w=1':>10} {'w=2':>7} {'w=4':>7} {'torch solve':>12} {'rel err':>8}")
+    for q in (17, 65, 257, 1025):
+        torch.manual_seed(q)
+        ancestors = ancestor_table(random_parents(q, 15)).cuda()
+        q_ = torch.nn.functional.normalize(torch.randn(hk, q, dk, device="cuda"), dim=-1) * dk**-0.5
+        k_ = torch.nn.functional.normalize(torch.randn(hk, q, dk, device="cuda"), dim=-1)
+        v_ = torch.randn(h, q, dv, device="cuda")
+        g, beta = -torch.rand(q, h, device="cuda"), torch.rand(q, h, device="cuda")
+        state = torch.randn(h, dk, dv, device="cuda") * 0.3
+        whole = median_ms(graphed(lambda: tree_delta_rule_normalized(q_, k_, v_, g, beta, state, ancestors, True)))
+        rhs, q_S0, G = torch.randn(h, q, dv, device="cuda"), torch.randn(h, q, dv, device="cuda"), -torch.rand(h, q, device="cuda")
+        beta_ = beta.T.contiguous()
+        solves = [median_ms(graphed(lambda w=w: tree_path_outputs(q_, k_, rhs, q_S0, G, beta_, ancestors, w)))
+                  for w in (1, 2, 4)]
+        want = tree_delta_rule_normalized(q_, k_, v_, g, beta, state, ancestors, False)
+        got = tree_delta_rule_normalized(q_, k_, v_, g, beta, state, ancestors, True)
+        error = ((got - want).norm() / want.norm()).item()
+        torch_ms = median_ms(lambda: tree_delta_rule_normalized(q_, k_, v_, g, beta, state, ancestors, False), 5)
+        lines.append(f"{q:>5} {whole:>9.3f} {solves[0]:>10.3f} {solves[1]:>7.3f} {solves[2]:>7.3f} {torch_ms:>12.3f} "
+                     f"{error:>8.1e}")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,138 @@
+"""The Triton tree kernel against the torch tree form (GPU only; skipped on CPU machines).
+
+Same inputs, float32: the kernel's per-node outputs must equal the torch path's (which the CPU tests
+hold to transformers' sequential kernel), for trees of depth up to MAX_PATH - 1 and real head sizes;
+and a hybrid whose GDN layers take the kernel must give, on CUDA, the CPU runner's tree logits.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from workers.models.deltanet import MAX_PATH, ancestor_table, tree_delta_rule
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def random_tree_parents(q: int, depth: int, generator: torch.Generator) -> torch.Tensor:
+    parents, depths = [-1], [0]
+    for t in range(1, q):
+        choices = [j for j in range(t) if depths[j] < depth]
+        parent = choices[int(torch.randint(0, len(choices), (1,), generator=generator))]
+        parents.append(parent)
+        depths.append(depths[parent] + 1)
+    return torch.tensor(parents)
+
+
+@pytest.mark.parametrize("q, depth, dk, dv", [(1, 1, 16, 16), (17, 15, 128, 128), (257, 15, 128, 128),
+                                              (300, 6, 64, 32)])
+def test_triton_tree_kernel_equals_the_torch_path(q, depth, dk, dv):
+    g = torch.Generator().manual_seed(q)
+    hk, h = 4, 12
+    parents = random_tree_parents(q, min(depth, MAX_PATH - 1), g)
+    inputs = [torch.randn(q, hk, dk, generator=g), torch.randn(q, hk, dk, generator=g),
+              torch.randn(q, h, dv, generator=g), -torch.rand(q, h, generator=g) * 2, torch.rand(q, h, generator=g),
+              torch.randn(h, dk, dv, generator=g) * 0.3]
+    cuda = [x.cuda() for x in inputs]
+    ancestors = ancestor_table(parents).cuda()
+    want = tree_delta_rule(*cuda, ancestors, use_triton=False)
+    got = tree_delta_rule(*cuda, ancestors, use_triton=True)
+    assert torch.isfinite(got).all()
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_hybrid_on_cuda_through_the_kernel_gives_the_cpu_tree_logits():
+    from workers.decoding.tree import TreeParams, build_tree
+    from workers.models.shapes import build_random_target
+    from workers.models.static_target import StaticTarget
+
+    cpu_model = build_random_target("qwen3.6-mini", torch.float32, torch.device("cpu"))  # GDN heads of 32
+    cuda_model = copy.deepcopy(cpu_model).cuda()
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, 4000, (1, 40), generator=generator)
+    log_probs = torch.log_softmax(torch.randn(15, 4096, generator=generator) * 3, dim=-1)
+    tree = build_tree(log_probs, TreeParams(64))
+    outputs = []
+    for model, graphs in ((cpu_model, False), (cuda_model, False), (cuda_model, True)):
+        target = StaticTarget(model, graphs=graphs)
+        device = target.device
+        target.start(capacity=256, max_verify=65)
+        target.prefill(prompt.to(device))
+        outputs.append(target.verify_tree(prompt[0, -1].to(device), tree.to(device)).logits.float().cpu().clone())
+    for got in outputs[1:]:
+        torch.testing.assert_close(got, outputs[0], atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chain", [False, True])
+@torch.inference_mode()
+def test_gdn_layer_through_the_kernels_equals_its_torch_path(dtype, chain):
+    """Fused projection + conv prologue + tree (or chunked) rule + gated norm against the module path:
+    outputs, and (a chain kept whole) the state and conv window it leaves."""
+    from workers.models.deltanet import TreeShape
+    from workers.models.gdn_layer import gdn_layer_for
+    from workers.models.shapes import build_random_target
+
+    model = build_random_target("qwen3.6-mini", dtype, torch.device("cuda"))
+    layer = gdn_layer_for(model.model.layers[0].linear_attn)
+    assert layer.kernels and layer.projection is not None
+    q = 40
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(1, q, 256, generator=generator).to(dtype).cuda()
+    parents = torch.arange(-1, q - 1) if chain else random_tree_parents(q, 15, generator)
+    shape = TreeShape.build(parents.cuda(), layer.window, chain)
+    window0 = torch.randn(layer.window, layer.conv_dim, generator=generator).to(dtype).cuda()
+    state0 = (torch.randn(layer.state_shape, generator=generator) * 0.3).cuda()
+    results = []
+    for kernels in (False, True):
+        layer.kernels = kernels
+        window, state = window0.clone(), state0.clone()
+        out, _ = layer(hidden, shape, window, state, commit=chain)
+        results.append((out.float(), state, window.float()))
+    (want, want_state, want_window), (got, got_state, got_window) = results
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    assert ((got - want).norm() / want.norm()).item() < tolerance
+    if chain:
+        assert ((got_state - want_state).norm() / want_state.norm()).item() < tolerance
+        assert torch.equal(got_window, want_window)
+
+
+@torch.inference_mode()
+def test_commit_through_the_kernels_equals_the_chunked_replay():
+    """A commit's path: conv prologue + the recurrence in registers against the torch chunked replay."""
+    from workers.models.deltanet import TreeShape
+    from workers.models.gdn_layer import gdn_layer_for
+    from workers.models.shapes import build_random_target
+
+    model = build_random_target("qwen3.6-mini", torch.float32, torch.device("cuda"))
+    layer = gdn_layer_for(model.model.layers[0].linear_attn)
+    generator = torch.Generator().manual_seed(8)
+    q = 48
+    parents = random_tree_parents(q, 15, generator)
+    hidden = torch.randn(1, q, 256, generator=generator).cuda()
+    shape = TreeShape.build(parents.cuda(), layer.window, chain=False)
+    window0 = torch.randn(layer.window, layer.conv_dim, generator=generator).cuda()
+    state0 = (torch.randn(layer.state_shape, generator=generator) * 0.3).cuda()
+    for node in (0, 5, q - 1):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(int(parents[path[-1]]))
+        path = torch.tensor(path[::-1]).cuda()
+        results = []
+        for kernels in (False, True):
+            layer.kernels = True
+            window, state = window0.clone(), state0.clone()
+            _, pending = layer(hidden, shape, window, state)
+            layer.kernels = kernels
+            layer.commit(pending, path, window, state)
+            results.append((state, window))
+        torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-5)
+        assert torch.equal(results[1][1], results[0][1])

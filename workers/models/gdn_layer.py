@@ -1,0 +1,187 @@
+"""One Gated DeltaNet token mixer (Qwen3.5 / Qwen3.6 / Qwen3-Next ``linear_attn``) over a pass's nodes.
+
+The layer object beside ``FusedLayer``: it holds the model's own modules (projections, conv
+weights, gated norm, ``out_proj``) and runs, for the nodes of one pass,
+
+    projections -> conv over each node's ancestry -> gated delta rule from the committed state ->
+    gated RMSNorm -> out_proj
+
+with ``workers.models.deltanet``'s tree forms, so every node continues its parent's conv window and
+recurrent state. The state itself (conv window [K-1, C], recurrent state [H, dk, dv]) belongs to the
+runner, which passes it in; a pass leaves a ``PendingLayer`` (the nodes' conv inputs, decays and
+betas) and ``commit`` replays the accepted path from it into that state, in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.models.deltanet import (
+    PendingLayer,
+    TreeShape,
+    chain_conv,
+    chain_delta_rule,
+    chain_delta_rule_normalized,
+    conv_lag_index,
+    kernel_fits,
+    tree_conv,
+    tree_delta_rule,
+    tree_delta_rule_normalized,
+    triton_available,
+    window_after,
+)
+from workers.models.fused_layer import fuse_rows
+
+
+class GDNLayer:
+    """The token mixer of one linear-attention decoder layer; see the module docstring."""
+
+    def __init__(self, mixer: nn.Module) -> None:
+        self.mixer = mixer
+        self.window = mixer.conv_kernel_size - 1
+        self.conv_dim = mixer.conv_dim
+        self.state_shape = (mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim)
+        self.projection = None  # Qwen3.5's four input projections as one matrix (the modules' weights view it)
+        if all(hasattr(mixer, n) for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")):
+            modules = (mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a)
+            if all(m.bias is None for m in modules):
+                with torch.inference_mode(False), torch.no_grad():
+                    self.projection = fuse_rows(modules, "weight")
+                self.splits = [m.out_features for m in modules]
+        # the Triton kernels (conv prologue, tree solve, gated norm) on CUDA when the heads fit their tiles
+        weight = mixer.conv1d.weight
+        self.device = weight.device
+        self.kernels = (weight.is_cuda and mixer.head_k_dim == mixer.head_v_dim
+                        and kernel_fits(mixer.head_k_dim, mixer.head_v_dim) and triton_available())
+
+    def is_current(self) -> bool:
+        """Whether the mixer's projection weights are still views of this object's fused matrix."""
+        if self.mixer.conv1d.weight.device != self.device:
+            return False
+        return self.projection is None or self.mixer.in_proj_qkv.weight.data_ptr() == self.projection.data_ptr()
+
+    def new_state(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed (conv window [K-1, C] in the model dtype, recurrent state [H, dk, dv] float32)."""
+        return (torch.zeros(self.window, self.conv_dim, dtype=dtype, device=device),
+                torch.zeros(self.state_shape, dtype=torch.float32, device=device))
+
+    def __call__(self, hidden: torch.Tensor, shape: TreeShape, conv_window: torch.Tensor, state: torch.Tensor,
+                 commit: bool = False):
+        """hidden [1, q, H] (after the input norm) -> (mixed [1, q, H], PendingLayer or None).
+
+        ``commit`` (the prompt: a chain kept whole) advances (conv_window, state) in place over all
+        nodes and keeps nothing; otherwise the pass leaves the state alone and returns what
+        ``commit`` needs to replay any accepted path.
+        """
+        mixer, q = self.mixer, hidden.shape[1]
+        if self.kernels:
+            return self._with_kernels(hidden, shape, conv_window, state, commit)
+        conv_inputs, z, b, a = _project(mixer, hidden[0])
+        beta = b.sigmoid()
+        log_gate = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)  # [q, H] <= 0
+        weight, bias = mixer.conv1d.weight[:, 0, :], mixer.conv1d.bias  # [C, K]
+        if shape.chain:
+            conv_out, extended = chain_conv(conv_inputs, conv_window, weight, bias)
+        else:
+            conv_out, extended = tree_conv(conv_inputs, conv_window, weight, bias, shape.lag_index)
+        query, key, value = self._heads(conv_out.to(conv_inputs.dtype))
+        if shape.ancestors is None or commit:  # a chain: the chunked form
+            out, new_state = chain_delta_rule(query, key, value, log_gate, beta, state, with_outputs=True)
+        else:
+            out = tree_delta_rule(query, key, value, log_gate, beta, state, shape.ancestors)
+        pending = None
+        if commit:
+            state.copy_(new_state)
+            conv_window.copy_(extended[extended.shape[0] - self.window :])
+        else:
+            pending = PendingLayer(extended, shape.lag_index, log_gate, beta)
+        out = mixer.norm(out.to(hidden.dtype).reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
+        return mixer.out_proj(out.reshape(1, q, -1)), pending
+
+    def _with_kernels(self, hidden, shape: TreeShape, conv_window, state, commit: bool):
+        """``__call__`` through the Triton kernels: one projection, one conv prologue, the tree or chunked
+        delta rule, one gated norm."""
+        mixer, q = self.mixer, hidden.shape[1]
+        if self.projection is not None:
+            conv_inputs, z, b, a = torch.split(F.linear(hidden[0], self.projection), self.splits, dim=-1)
+        else:
+            conv_inputs, z, b, a = _project(mixer, hidden[0])
+            z = z.reshape(q, -1)
+        from workers.models.gdn_triton import gated_norm, prologue
+
+        beta = b.sigmoid()
+        log_gate = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)  # [q, H] <= 0
+        extended = torch.cat((conv_window.to(conv_inputs.dtype), conv_inputs))  # [window+q, C]
+        lag_index = shape.lag_index
+        key_heads, heads = mixer.num_k_heads, mixer.num_v_heads
+        q_, k_, v_ = prologue(extended, lag_index, mixer.conv1d.weight[:, 0, :], mixer.conv1d.bias, key_heads, heads,
+                              mixer.head_k_dim)
+        pending = None
+        if shape.ancestors is None or commit:
+            out, new_state = chain_delta_rule_normalized(q_, k_, v_, log_gate, beta, state)
+        else:
+            out = tree_delta_rule_normalized(q_, k_, v_, log_gate, beta, state, shape.ancestors, use_triton=True)
+        if commit:
+            state.copy_(new_state)
+            conv_window.copy_(extended[extended.shape[0] - self.window :])
+        else:
+            pending = PendingLayer(extended, shape.lag_index, log_gate, beta)
+        normed = gated_norm(out.contiguous(), z, mixer.norm.weight, mixer.norm.variance_epsilon, hidden.dtype)
+        return mixer.out_proj(normed).unsqueeze(0), pending
+
+    def commit(self, pending: PendingLayer, path: torch.Tensor, conv_window: torch.Tensor, state: torch.Tensor) -> None:
+        """Advance (conv_window, state) in place over the nodes ``path`` (root ... accepted node) of
+        the pass that left ``pending``: the path replayed as a chain from the committed state."""
+        mixer, count, window = self.mixer, path.shape[0], self.window
+        parents = torch.arange(-1, count - 1, device=path.device)
+        if self.kernels:  # conv prologue over the path, then the recurrence with the state in registers
+            from workers.models.gdn_triton import advance_state, prologue
+
+            extended = torch.cat((conv_window, pending.extended[window + path]))  # [window+c, C]
+            _, k_, v_ = prologue(extended, conv_lag_index(parents, window), mixer.conv1d.weight[:, 0, :],
+                                 mixer.conv1d.bias, mixer.num_k_heads, mixer.num_v_heads, mixer.head_k_dim)
+            advance_state(k_, v_, pending.log_gate[path], pending.beta[path], state)
+            conv_window.copy_(extended[count:])  # the last `window` inputs of committed + path
+            return
+        conv_out, _ = tree_conv(pending.extended[window + path], conv_window, mixer.conv1d.weight[:, 0, :],
+                                mixer.conv1d.bias, conv_lag_index(parents, window))
+        query, key, value = self._heads(conv_out.to(pending.extended.dtype))
+        _, new_state = chain_delta_rule(query, key, value, pending.log_gate[path], pending.beta[path], state,
+                                        with_outputs=False)
+        new_window = window_after(pending.extended, pending.lag_index, path[-1:])
+        state.copy_(new_state)  # in place: captured graphs read these tensors
+        conv_window.copy_(new_window)
+
+    def _heads(self, conv_out: torch.Tensor):
+        """query, key [q, Hk, dk] and value [q, H, dv] from the conv output [q, C]."""
+        mixer, q = self.mixer, conv_out.shape[0]
+        query, key, value = torch.split(conv_out, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
+        return (query.reshape(q, -1, mixer.head_k_dim), key.reshape(q, -1, mixer.head_k_dim),
+                value.reshape(q, -1, mixer.head_v_dim))
+
+
+def _project(mixer: nn.Module, hidden: torch.Tensor):
+    """(conv input [q, C], z [q, H, dv], b [q, H], a [q, H]) for Qwen3.5's split projections or
+    Qwen3-Next's fused, per-key-head interleaved ones."""
+    q = hidden.shape[0]
+    if hasattr(mixer, "in_proj_qkvz"):
+        query, key, value, z, b, a = mixer.fix_query_key_value_ordering(
+            mixer.in_proj_qkvz(hidden[None]), mixer.in_proj_ba(hidden[None])
+        )
+        mixed = torch.cat([x.reshape(q, -1) for x in (query, key, value)], dim=-1)
+        return mixed, z[0], b[0], a[0]
+    z = mixer.in_proj_z(hidden).reshape(q, -1, mixer.head_v_dim)
+    return mixer.in_proj_qkv(hidden), z, mixer.in_proj_b(hidden), mixer.in_proj_a(hidden)
+
+
+def gdn_layer_for(mixer: nn.Module) -> GDNLayer:
+    """The mixer's ``GDNLayer``, made once and kept on the mixer (its fused projection is what the
+    mixer's weights view); made again if they stopped being views of it (the model was moved or cast)."""
+    existing = getattr(mixer, "_gdn_layer", None)
+    if existing is not None and existing.is_current():
+        return existing
+    layer = GDNLayer(mixer)
+    mixer._gdn_layer = layer  # a plain attribute (not a submodule): no second state_dict entry
+    return layer
