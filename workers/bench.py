@@ -187,6 +187,7 @@ def _json_payload(result) -> dict:
         "metrics": result.metrics,
         "acceptance_histogram": {str(k): v for k, v in result.acceptance_histogram.items()},
         "memory": {
+            "kind": trace.kind,  # "cuda": reserved bytes per GPU; "process_rss": the process's peak RSS as device 0
             "peak_reserved_bytes": {str(k): v for k, v in trace.peak_reserved_bytes.items()},
             "note": trace.note,
         },

@@ -106,6 +106,10 @@ def test_final_remeasurement_is_interleaved_and_names_the_winner(recorded):
     winner = max(remeasured, key=lambda r: r.data.metrics["tokens_per_s"])
     assert parent.data.metrics["best_tokens_per_s"] == pytest.approx(winner.data.metrics["tokens_per_s"])
     assert parent.data.tags["best_trial"] == winner.data.tags["optuna_trial"]
+    for name in ("tree_budget", "max_depth", "branching"):  # the best.<param> tags name the same winner
+        assert parent.data.tags[f"best.{name}"] == winner.data.params[name], name
+    summary = json.loads(Path(client.download_artifacts(parent.info.run_id, "summary.json")).read_text())
+    assert summary["best_trial"] == int(winner.data.tags["optuna_trial"]) and summary["best_source"] == "re-measured"
     assert f"re-measuring the best {TOP_K} settings" in recorded["proc"].stderr
 
 
