@@ -291,7 +291,9 @@ class Driver:
             if self.signals.requested:
                 self._interrupt()
                 return EXIT_INTERRUPTED
-            self.tracker.finish_parent(self.parent_id, "FINISHED", self._summary(), self._best_metrics(final))
+            summary = self._summary()
+            best = self._best_metrics(final, summary)
+            self.tracker.finish_parent(self.parent_id, "FINISHED", summary, best)
             self.progress.note(f"done: {studies.count_complete(self.study)} complete trials in '{self.study_name}'")
             return EXIT_OK
         except KeyboardInterrupt:
@@ -520,10 +522,10 @@ class Driver:
                 f"against AR at {metrics.get('baseline_tokens_per_s') or float('nan'):.4g} tokens/s"
             )
 
-    def _best_metrics(self, final: dict[str, Any] | None) -> dict[str, float]:
+    def _best_metrics(self, final: dict[str, Any] | None, summary: dict[str, Any]) -> dict[str, float]:
         """Parent metrics: ``search_best_*`` (the best trial as measured in the search) and ``best_*``
-        (the winner: the best re-measured setting when there was a re-measurement)."""
-        summary = self._summary()
+        (the winner: the best re-measured setting when there was a re-measurement). ``summary``
+        (the parent's summary.json and best.<param> tags) is updated to name the same winner."""
         out: dict[str, float] = {}
         names = (*METRICS, "tokens_per_s_median", "tokens_per_s_iqr", "baseline_tokens_per_s")
         if "best_trial" in summary:
@@ -536,6 +538,10 @@ class Driver:
             out |= {f"best_{k}": v for k, v in metrics.items() if k in names or k.startswith("tokens_per_s_")}
             out["best_trial"] = float(number)
             self.tracker.set_parent_tags(self.parent_id, {"best_trial": number, "best_source": "re-measured"})
+            trial = self.study.trials[number]
+            summary["search_best_trial"] = summary.get("best_trial")
+            summary |= {"best_trial": number, "best_params": dict(trial.params) | dict(self.config.fixed_params),
+                        "best_source": "re-measured", "remeasured": {str(k): v for k, v in final["trials"].items()}}
         elif "best_trial" in summary:
             out |= {k.replace("search_best_", "best_", 1): v for k, v in out.items()}
             self.tracker.set_parent_tags(self.parent_id, {"best_trial": summary["best_trial"], "best_source": "search"})

@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             searched = frame[frame["trial"] == row["trial"]]
             if not searched.empty:
                 name = objectives[0][0]
-                console.print(f"  in the search it measured {name} {_cell(searched.iloc[0][name])} (in the search); "
+                console.print(f"  in the search it measured {name} {_cell(searched.iloc[0][name])}; "
                               f"re-measured range {_cell(row['tokens_per_s_min'])}..{_cell(row['tokens_per_s_max'])} "
                               f"tokens/s, speedup {_cell(row['speedup'])} against AR at "
                               f"{_cell(row['baseline_tokens_per_s'])} tokens/s", highlight=False)

@@ -125,6 +125,7 @@ class TrialResult:
             "metrics": self.metrics,
             "acceptance_histogram": {str(k): v for k, v in self.acceptance_histogram.items()},
             "memory": {
+                "kind": trace.kind,  # "cuda": reserved bytes per GPU; "process_rss": the process's peak RSS as device 0
                 "peak_reserved_bytes": {str(k): v for k, v in trace.peak_reserved_bytes.items()},
                 "note": trace.note,
             },

@@ -106,6 +106,10 @@ def test_final_remeasurement_is_interleaved_and_names_the_winner(recorded):
     winner = max(remeasured, key=lambda r: r.data.metrics["tokens_per_s"])
     assert parent.data.metrics["best_tokens_per_s"] == pytest.approx(winner.data.metrics["tokens_per_s"])
     assert parent.data.tags["best_trial"] == winner.data.tags["optuna_trial"]
+    for name in ("tree_budget", "max_depth", "branching"):  # the best.<param> tags name the same winner
+        assert parent.data.tags[f"best.{name}"] == winner.data.params[name], name
+    summary = json.loads(Path(client.download_artifacts(parent.info.run_id, "summary.json")).read_text())
+    assert summary["best_trial"] == int(winner.data.tags["optuna_trial"]) and summary["best_source"] == "re-measured"
     assert f"re-measuring the best {TOP_K} settings" in recorded["proc"].stderr
 
 
@@ -150,3 +154,37 @@ def test_report_uses_the_remeasurement_and_explains_the_baseline(recorded, tmp_p
     for name in ("tokens_per_s_vs_budget.png", "tau_vs_budget.png", "peak_memory_vs_budget.png",
                  "optuna_param_importances.png", "optuna_parallel_coordinate.png"):
         assert (out / name).stat().st_size > 1000, name
+
+
+def test_ctrl_c_during_the_remeasurement_stops_cleanly_and_resume_redoes_it(tiny_dir, tmp_path):
+    """SIGINT while the top settings are re-measured: exit 130, the parent KILLED, no half-logged
+    re-measurement; the same command again re-measures and finishes the parent."""
+    import signal
+
+    from tests.orchestrator.conftest import start_sweep
+
+    runs = tmp_path / "runs"
+    config = sweep_dict(tiny_dir, runs, n_trials=2, measurement={"final_top_k": 1, "final_repeats": 40})
+    sweep = write_sweep(tmp_path / "sweep.yaml", config)
+    proc = start_sweep(sweep)
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "re-measuring the best" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    _, rest = proc.communicate(timeout=300)
+    assert proc.returncode == 130, "".join(seen) + rest
+    client = MlflowClient(f"sqlite:///{runs}/mlflow.db")
+    experiment = client.get_experiment_by_name("test")
+    (parent,) = _runs(client, experiment, "parent")
+    assert parent.info.status == "KILLED" and _runs(client, experiment, "remeasure") == []
+    assert "final_state" not in parent.data.tags
+
+    write_sweep(sweep, config | {"measurement": {"final_top_k": 1, "final_repeats": 2}})
+    again = run_sweep(sweep)
+    assert again.returncode == 0, again.stderr[-3000:]
+    (parent,) = _runs(client, experiment, "parent")
+    assert parent.info.status == "FINISHED" and parent.data.tags["best_source"] == "re-measured"
+    (remeasured,) = _runs(client, experiment, "remeasure")
+    assert remeasured.data.metrics["passes"] == 2 and remeasured.data.tags["final_round"] == "1"
