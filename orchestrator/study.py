@@ -127,11 +127,16 @@ def read_only_storage(url: str) -> optuna.storages.RDBStorage | None:
         url = f"sqlite:///file:{path}?mode=ro&uri=true"  # SQLite itself refuses every write
     engine = sqlalchemy.create_engine(url)
     try:
-        if not sqlalchemy.inspect(engine).has_table("studies"):  # a store no driver has made tables in yet
+        # Optuna makes its tables, then the version tables; until the last exists the store is not ready
+        inspector = sqlalchemy.inspect(engine)
+        if not all(inspector.has_table(t) for t in ("studies", "version_info", "alembic_version")):
             return None
     finally:
         engine.dispose()
-    return optuna.storages.RDBStorage(url, skip_table_creation=True)
+    try:
+        return optuna.storages.RDBStorage(url, skip_table_creation=True)
+    except sqlalchemy.exc.OperationalError:  # it wanted to write: a driver is making the store right now
+        return None
 
 
 def make_sampler(config: SweepConfig) -> optuna.samplers.BaseSampler:

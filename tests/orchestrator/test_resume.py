@@ -15,6 +15,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
+from orchestrator.study import read_only_storage
 from tests.orchestrator.conftest import run_sweep, start_sweep, sweep_dict, write_sweep
 
 pytestmark = pytest.mark.sweep
@@ -87,9 +88,10 @@ def _wait_for_complete(runs: Path, count: int, proc, timeout: float = 240) -> No
     while time.time() < deadline:
         if proc.poll() is not None:
             return
-        try:
-            study = optuna.load_study(study_name="test-sweep", storage=f"sqlite:///{runs}/optuna.db")
-            if len([t for t in study.trials if t.state == TrialState.COMPLETE]) >= count:
+        try:  # read-only: a plain storage would create the tables, racing the driver doing the same
+            storage = read_only_storage(f"sqlite:///{runs}/optuna.db")
+            study = optuna.load_study(study_name="test-sweep", storage=storage) if storage else None
+            if study is not None and len([t for t in study.trials if t.state == TrialState.COMPLETE]) >= count:
                 return
         except Exception:  # the study does not exist yet
             pass

@@ -18,6 +18,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
+from orchestrator.study import read_only_storage
 from tests.orchestrator.conftest import ROOT, run_sweep, start_sweep, sweep_dict, sweep_env, write_sweep
 from tests.orchestrator.test_resume import _children, _parents, assert_consistent
 
@@ -33,9 +34,9 @@ def _study(runs: Path, name: str = "test-sweep") -> optuna.Study:
 
 
 def _studies(runs: Path) -> list[str]:
-    if not (runs / "optuna.db").exists():
-        return []
-    return [s.study_name for s in optuna.get_all_study_summaries(f"sqlite:///{runs}/optuna.db")]
+    """Study names, read without writing (a plain client would create tables, racing the driver)."""
+    storage = read_only_storage(f"sqlite:///{runs}/optuna.db")
+    return [] if storage is None else [s.study_name for s in optuna.get_all_study_summaries(storage)]
 
 
 # -- two drivers ---------------------------------------------------------------------------------------
@@ -308,17 +309,16 @@ def test_a_trial_closed_by_someone_else_is_left_as_they_left_it(tiny_dir, tmp_pa
     config["prompts"]["max_new_tokens"] = 64  # trials long enough to be closed mid-flight
     sweep = write_sweep(tmp_path / "sweep.yaml", config)
     proc = start_sweep(sweep)
-    client = MlflowClient(f"sqlite:///{runs}/mlflow.db")
     closed, deadline = None, time.time() + 300
     while closed is None:
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.1)
-        if not _studies(runs):
+        if not _studies(runs):  # once the study exists, both stores have their tables and experiment
             continue
+        client = MlflowClient(f"sqlite:///{runs}/mlflow.db")
         study = _study(runs)
         running = [t for t in study.trials if t.state == TrialState.RUNNING]
-        runs_now = {r.data.tags["optuna_trial"]: r for r in _children(client) if r.info.status == "RUNNING"} \
-            if client.get_experiment_by_name("test") else {}
+        runs_now = {r.data.tags["optuna_trial"]: r for r in _children(client) if r.info.status == "RUNNING"}
         for trial in running:
             if str(trial.number) in runs_now:
                 try:
@@ -330,7 +330,7 @@ def test_a_trial_closed_by_someone_else_is_left_as_they_left_it(tiny_dir, tmp_pa
                 break
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
-    assert "Traceback" not in err
+    assert "Traceback" not in err and f"trial {closed}: closed by someone else meanwhile" in err, err[-3000:]
     study = _study(runs)
     assert study.trials[closed].state == TrialState.FAIL
     statuses = [r.info.status for r in _children(client) if r.data.tags["optuna_trial"] == str(closed)]
