@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from workers.decoding import ar, ddtree, dflash
+from workers import costs as cost_model
+from workers.decoding import ar, ddtree, dflash, replay
 from workers.decoding.generation import GenerationConfig, GenerationOutput, StageTimer, device_sync
 from workers.decoding.tree import TreeParams
 from workers.errors import BadInputError
@@ -247,3 +248,27 @@ class Worker:
             ar_spec = TrialSpec(Method.AR, spec.prompts, stage_timing=False, warmup=spec.warmup)
             self._baselines[key] = self._generate_all(ar_spec, prompts, gen)
         return self._baselines[key]
+
+    # -- sweep intelligence: acceptance replay and the cost table (workers.decoding.replay, workers.costs)
+    def replay_tables(self, spec: TrialSpec, top_k: int) -> list[dict[str, Any]]:
+        """One ``ReplayTable`` (as a dict) per prompt of ``spec``: the AR continuation and the drafter's
+        top-``top_k`` per depth at every round start, for predicting any setting's rounds."""
+        prompts, gen = self._prepare(spec)
+        if self.drafter is None:
+            raise BadInputError("acceptance replay needs a drafter, and this worker has none")
+        tables = []
+        for index, prompt_ids in enumerate(prompts):
+            config = GenerationConfig(gen.max_new_tokens, gen.temperature, gen.stop_token_ids, gen.seed + index)
+            tables.append(replay.record(self.target, self.drafter, prompt_ids, config, top_k).to_dict())
+        return tables
+
+    def measure_costs(self, spec: TrialSpec, settings: list[dict[str, Any]]) -> dict[str, Any]:
+        """This actor's ``CostTable`` (as a dict) for ``spec.method`` over ``settings`` (flat sweep
+        parameters), timed at a mid-generation context length; calibrated on the first prompt."""
+        prompts, gen = self._prepare(spec)
+        mean_prompt = sum(p.shape[1] for p in prompts) // len(prompts)
+        table = cost_model.measure_costs(
+            self.target, self.drafter, spec.method.value, settings, mean_prompt + gen.max_new_tokens // 2,
+            calibration_prompt=prompts[0], calibration=gen,
+        )
+        return table.to_dict()
