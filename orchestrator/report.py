@@ -19,6 +19,7 @@ from workers.errors import BadInputError
 
 PARAM_COLUMNS = ("tree_budget", "max_depth", "branching", "num_draft_tokens")
 METRIC_COLUMNS = ("tokens_per_s", "tau", "speedup", "peak_memory_gib", "ttft_s", "tpot_s", "lossless_match")
+PREDICTED_COLUMNS = ("predicted_tokens_per_s", "predicted_tau")  # sweeps that predict (orchestrator.predictor)
 
 
 def trials_from_mlflow(tracking_uri: str, experiment: str, study: str) -> pd.DataFrame:
@@ -42,6 +43,7 @@ def trials_from_mlflow(tracking_uri: str, experiment: str, study: str) -> pd.Dat
                 value = run.data.params[name]
                 row[name] = None if value == "None" else int(value)
         row.update({name: run.data.metrics.get(name) for name in METRIC_COLUMNS})
+        row.update({name: run.data.metrics[name] for name in PREDICTED_COLUMNS if name in run.data.metrics})
         row["run_id"] = run.info.run_id
         rows.append(row)
     frame = pd.DataFrame(rows)
@@ -144,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     if not console.is_terminal:
         console = Console(width=180)
-    columns = ["trial", "status", *[c for c in PARAM_COLUMNS if c in frame], *METRIC_COLUMNS]
+    columns = ["trial", "status", *[c for c in PARAM_COLUMNS if c in frame], *METRIC_COLUMNS,
+               *[c for c in PREDICTED_COLUMNS if c in frame]]
     table = Table(title=f"study {study_name}: {len(frame)} finished trials")
     for column in columns:
         table.add_column(column, justify="right")
@@ -157,8 +160,30 @@ def main(argv: list[str] | None = None) -> int:
         params = {c: (None if pd.isna(row[c]) else int(row[c])) for c in PARAM_COLUMNS if c in frame}
         values = {name: row[name] for name, _ in objectives}
         console.print(f"{label}: trial {int(row['trial'])} {params} -> {values}")
+    for line in prediction_lines(frame):
+        console.print(line)
     console.print(f"wrote {out / 'trials.csv'} and {len(written)} plots to {out}")
     return 0
+
+
+def prediction_lines(frame: pd.DataFrame) -> list[str]:
+    """Predicted against measured over the trials that ran to the end: mean and worst relative
+    error of tokens/s and tau, and whether the predicted best was the measured best."""
+    if "predicted_tokens_per_s" not in frame:
+        return []
+    ok = frame[(frame["status"] == "ok") & frame["predicted_tokens_per_s"].notna()]
+    if ok.empty:
+        return []
+    error = (ok["predicted_tokens_per_s"] - ok["tokens_per_s"]) / ok["tokens_per_s"]
+    lines = [f"predicted vs measured tokens/s over {len(ok)} trials: mean error {error.abs().mean():.1%}, "
+             f"worst {error.abs().max():.1%} (trial {int(ok.loc[error.abs().idxmax(), 'trial'])})"]
+    if "predicted_tau" in ok:
+        tau_error = (ok["predicted_tau"] - ok["tau"]).abs() / ok["tau"]
+        lines.append(f"predicted vs measured tau: mean error {tau_error.mean():.2%}, worst {tau_error.max():.2%}")
+    best_predicted = int(ok.loc[ok["predicted_tokens_per_s"].idxmax(), "trial"])
+    best_measured = int(ok.loc[ok["tokens_per_s"].idxmax(), "trial"])
+    lines.append(f"predicted best: trial {best_predicted}; measured best: trial {best_measured}")
+    return lines
 
 
 def resolve_study_name(config) -> str:

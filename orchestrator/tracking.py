@@ -90,6 +90,27 @@ class Tracker:
         self.client.log_dict(run_id, resolved, "config/resolved.json")
         return run_id
 
+    def log_costs(self, run_id: str, costs: dict[int, dict[str, Any]], infos: list[dict[str, Any]]) -> None:
+        """Each actor's measured cost table as an artifact (re-measured, so overwritten, on resume)."""
+        for index, table in costs.items():
+            self.client.log_dict(run_id, table | {"actor": infos[index] if index < len(infos) else {}},
+                                 f"costs/actor-{index}.json")
+        tags = [RunTag(f"costs.actor{index}.device", table["device"]) for index, table in costs.items()]
+        self.client.log_batch(run_id, tags=tags)
+
+    def log_plan(self, run_id: str, plan: list[dict[str, Any]]) -> None:
+        self.client.log_dict(run_id, {"plan": plan}, "predicted_plan.json")
+
+    def log_step(self, run_id: str, key: str, value: float, step: int) -> None:
+        self.client.log_batch(run_id, metrics=[Metric(key, value, int(time.time() * 1000), step)])
+
+    def finish_pruned(self, run_id: str, result: dict[str, Any], started_ms: int, prompts_done: int) -> None:
+        """A pruned trial: what it measured, tagged trial_status=pruned, FINISHED (so a resumed
+        driver finds it and tells Optuna PRUNED again instead of re-running it)."""
+        result = dict(result, status="pruned")
+        self.client.set_tag(run_id, "pruned_after_prompts", str(prompts_done))
+        self.finish_child(run_id, result, started_ms)
+
     def finish_parent(self, run_id: str, status: str, summary: dict[str, Any]) -> None:
         best = summary.get("best_params") or {}  # tags, not params: a resumed sweep may find a better one
         self.client.log_batch(run_id, tags=[RunTag(f"best.{k}", str(v)) for k, v in best.items()])

@@ -25,7 +25,7 @@ from workers import costs as cost_model
 from workers.decoding import ar, ddtree, dflash, replay
 from workers.decoding.generation import GenerationConfig, GenerationOutput, StageTimer, device_sync
 from workers.decoding.tree import TreeParams
-from workers.errors import BadInputError
+from workers.errors import BadInputError, TrialStopped
 from workers.memory import MemoryTrace, MemoryTracer, reset_and_empty_cache
 from workers.metrics import acceptance_histogram, per_category, summarize
 from workers.models.drafter import DFlashDrafter, DrafterSpec, load_drafter, resolve_checkpoint_dir
@@ -149,7 +149,9 @@ class Worker:
     def block_size(self) -> int | None:
         return self.drafter.block_size if self.drafter else None
 
-    def run_trial(self, spec: TrialSpec) -> TrialResult:
+    def run_trial(self, spec: TrialSpec, on_prompt=None) -> TrialResult:
+        """``on_prompt(outputs, baseline)`` (optional) runs after each prompt with the outputs so far;
+        raising ``TrialStopped`` there ends the trial with status "pruned" (early stopping)."""
         started = time.perf_counter()
         tracer = MemoryTracer(interval_ms=self.config.memory_interval_ms)
         status, error, outputs, metrics, baseline = "ok", None, [], {}, None
@@ -163,7 +165,7 @@ class Worker:
                     os._exit(17)
                 prompts, gen = self._prepare(spec)
                 baseline = self._baseline(spec, prompts, gen) if spec.baseline else None
-                outputs = self._generate_all(spec, prompts, gen)
+                outputs = self._generate_all(spec, prompts, gen, on_prompt, baseline)
                 state_bytes = self._state_bytes
             metrics = summarize(outputs, baseline, greedy=gen.temperature < 1e-5)
             metrics |= per_category(spec.prompts, outputs, baseline)
@@ -171,6 +173,8 @@ class Worker:
                 metrics["tree_state_bytes"] = float(state_bytes)
         except torch.cuda.OutOfMemoryError as exc:
             status, error = "oom", f"{type(exc).__name__}: {exc}"
+        except TrialStopped as exc:
+            status, error = "pruned", str(exc)
         except (BadInputError, ValueError) as exc:
             status, error = "error", str(exc)
         except Exception as exc:  # a trial must end in a result, never take the worker down
@@ -222,7 +226,8 @@ class Worker:
             return dflash.generate, params
         return ar.generate, None
 
-    def _generate_all(self, spec: TrialSpec, prompts: list[torch.Tensor], gen: GenerationConfig) -> list[GenerationOutput]:
+    def _generate_all(self, spec: TrialSpec, prompts: list[torch.Tensor], gen: GenerationConfig, on_prompt=None,
+                      baseline: list[GenerationOutput] | None = None) -> list[GenerationOutput]:
         generate, params = self._engine(spec)
         drafter = None if spec.method is Method.AR else self.drafter
         if spec.warmup:  # one short untimed run so lazy init and allocator growth stay out of the numbers
@@ -235,6 +240,8 @@ class Worker:
             kwargs = {"timer": timer} if timer else {}
             outputs.append(generate(self.target, drafter, prompt_ids, prompt_gen, params, **kwargs))
             state_bytes = max(state_bytes, getattr(self.target, "peak_state_bytes", 0))
+            if on_prompt is not None:
+                on_prompt(outputs, baseline[: len(outputs)] if baseline is not None else None)
         self._state_bytes = state_bytes if getattr(self.target, "linear_ids", ()) else None
         return outputs
 
