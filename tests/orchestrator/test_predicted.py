@@ -98,7 +98,7 @@ def test_predicted_sweep_runs_the_predicted_best_and_logs_predicted_vs_measured(
 
     assert report_main([str(sweep), "--out", str(tmp_path / "report")]) == 0
     out = capsys.readouterr().out
-    assert "predicted_tokens_per_s" in out and "predicted vs measured tau: mean error 0.00%" in out
+    assert "predicted vs measured tokens/s over 4 trials" in out and "predicted vs measured tau: mean error 0.00%" in out
 
 
 def _first_prompt_tau(small_dir: Path, budget: int) -> float:
