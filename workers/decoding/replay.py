@@ -37,7 +37,7 @@ class ReplayTable:
                    at any recorded position can be checked at every drafted depth.
     top_log_probs: [P, D, K] float32, best first: top-K of log_softmax(draft logits) per depth, for
                    the round starting at position g < P (bonus = tokens[g]); D = block_size - 1.
-    top_ids:       [P, D, K] long, the token ids of those entries.
+    top_ids:       [P, D, K] int32, the token ids of those entries.
     chain_matches: [P] long, how many leading greedy drafter guesses (argmax of the raw logits, as
                    DFlash drafts) equal the continuation.
     """
@@ -119,14 +119,14 @@ def record(target, drafter, prompt_ids: torch.Tensor, config: GenerationConfig, 
         logits = lm_head(hidden[0, 1:].to(lm_head.weight.device))  # [D, V]
         values, ids = torch.topk(torch.log_softmax(logits.float(), dim=-1), k=k, dim=-1)  # [D, K]
         top_vals.append(values.cpu())
-        top_ids.append(ids.cpu())
+        top_ids.append(ids.to(torch.int32).cpu())  # int32: the table crosses Ray to the driver
         guesses = logits.argmax(dim=-1).cpu()  # DFlash's chain: argmax of the raw logits
         matches.append(int((guesses == continuation[g + 1 : g + 1 + depth]).int().cumprod(0).sum()))
         new_context = taps[g]
     return ReplayTable(
         tokens=tokens,
         top_log_probs=torch.stack(top_vals) if top_vals else torch.empty(0, depth, k),
-        top_ids=torch.stack(top_ids) if top_ids else torch.empty(0, depth, k, dtype=torch.long),
+        top_ids=torch.stack(top_ids) if top_ids else torch.empty(0, depth, k, dtype=torch.int32),
         chain_matches=torch.tensor(matches, dtype=torch.long),
         max_new_tokens=config.max_new_tokens,
         stop_token_ids=tuple(config.stop_token_ids),
@@ -164,7 +164,7 @@ def tree_path(table: ReplayTable, g: int, max_depth: int, branching: int | None,
         params = TreeParams(budget=ceiling, max_depth=max_depth, branching=branching)
         log_probs = table.top_log_probs[g, :max_depth]  # [D, K]: topk of this keeps the engine's order
         tree = build_tree(log_probs, params)
-        real_tokens = table.top_ids[g, tree.depths - 1, tree.tokens]  # table column -> vocab id
+        real_tokens = table.top_ids[g, tree.depths - 1, tree.tokens].long()  # table column -> vocab id
         depths = torch.cat((torch.zeros(1, dtype=torch.long), tree.depths))
         continuation = torch.tensor(table.tokens[g + 1 : g + 2 + max_depth], dtype=torch.long)
         # the target's choice after a node at depth d on the AR path is continuation[d]; off the path
