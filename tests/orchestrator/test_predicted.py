@@ -168,3 +168,31 @@ def test_bad_strategy_settings_name_the_field(tiny_dir, tmp_path, overrides, mes
     with pytest.raises(BadInputError, match=message.replace("(", r"\(")):
         load_sweep(sweep)
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_crash_after_the_pruned_run_was_logged_recovers_as_pruned(tiny_dir, tmp_path):
+    """Driver killed between marking the MLflow run pruned and telling Optuna: resume tells PRUNED."""
+    from orchestrator import study as studies
+    from orchestrator.driver import Driver
+    from orchestrator.tracking import Tracker
+    from workers.memory import MemoryTrace
+
+    sweep = write_sweep(tmp_path / "sweep.yaml", sweep_dict(tiny_dir, tmp_path / "runs", pruner={"type": "median"}))
+    config = load_sweep(sweep)
+    driver = Driver(config, sweep)
+    storage = studies.make_storage(config.storage)
+    driver.study = studies.open_study(config, storage).study
+    driver.study_name = driver.study.study_name
+    driver.tracker = Tracker(config.mlflow.tracking_uri, config.mlflow.experiment)
+    driver.parent_id = driver.tracker.parent_run(driver.study_name, config.fingerprint(), sweep, {})
+    trial = driver.study.ask()
+    params = studies.suggest(trial, config)
+    trial.report(1.5, 1)
+    run_id = driver.tracker.start_child(driver.parent_id, driver.study_name, trial.number, params, 1)
+    result = {"status": "pruned", "metrics": {"peak_memory_gib": 0.0}, "acceptance_histogram": {},
+              "memory_trace": MemoryTrace().to_dict()}
+    driver.tracker.finish_pruned(run_id, result, 0, prompts_done=1)  # ... and the driver dies here
+
+    driver._recover()
+    assert driver.study.trials[0].state == TrialState.PRUNED
+    assert not driver.study.get_trials(states=(TrialState.WAITING,))  # not queued to run again
