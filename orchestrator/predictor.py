@@ -29,17 +29,23 @@ from workers.costs import CostTable, predict
 from workers.decoding.replay import ReplayTable
 
 
-def tree_width(config: SweepConfig, points: list[dict[str, Any]]) -> int:
-    """Top-K per depth the replay tables keep: the widest tree any point builds (the ceiling budget,
-    unless every point caps branching lower)."""
+def _axis(config: SweepConfig, name: str) -> list[Any]:
+    if name in config.search_space:
+        return config.search_space[name].values()
+    return [config.fixed_params.get(name)]
+
+
+def tree_ceiling(config: SweepConfig) -> int | None:
+    """The largest budget any trial can get (from the space's bounds, not a sample of it)."""
+    return max(int(b) for b in _axis(config, "tree_budget")) if config.method == "ddtree" else None
+
+
+def tree_width(config: SweepConfig) -> int:
+    """Top-K per depth the replay tables keep: the widest tree any trial builds."""
     if config.method != "ddtree":
         return 1
-    widths = []
-    for point in points:
-        setting = point | dict(config.fixed_params)
-        budget, branching = int(setting["tree_budget"]), setting.get("branching")
-        widths.append(min(budget, branching) if branching else budget)
-    return max(widths)
+    ceiling = tree_ceiling(config)
+    return max(ceiling if k is None else min(ceiling, int(k)) for k in _axis(config, "branching"))
 
 
 class Predictor:
@@ -54,8 +60,8 @@ class Predictor:
         """Replay on the first actor and a cost table on every actor, in parallel (models stay loaded)."""
         points = studies.space_points(config, config.sampler.max_points, config.sampler.seed)
         settings = [point | dict(config.fixed_params) for point in points]
-        ceiling = max(int(s["tree_budget"]) for s in settings) if config.method == "ddtree" else None
-        replay_ref = slots[0].handle.replay_tables.remote(spec, tree_width(config, points))
+        ceiling = tree_ceiling(config)
+        replay_ref = slots[0].handle.replay_tables.remote(spec, tree_width(config))
         cost_refs = [slot.handle.measure_costs.remote(spec, settings) for slot in slots]
         tables = [ReplayTable.from_dict(t) for t in ray.get(replay_ref)]
         costs = {slot.index: CostTable.from_dict(c) for slot, c in zip(slots, ray.get(cost_refs), strict=True)}
