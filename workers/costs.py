@@ -288,7 +288,9 @@ def measure_costs(target, drafter, method: str, settings: list[dict[str, Any]], 
                 depths = _anchors({t.max_depth for t in chosen}, 3)
                 budgets = _anchors({t.budget for t in chosen}, TREE_BUDGET_ANCHORS)
                 tree_s[str(branching)] = {
-                    d: {b: _time(_tree_call(cache, logits, TreeParams(b, d, branching)), sync, repeats) for b in budgets}
+                    # the engine drafts max_depth rows, and the build's graph is keyed by that shape
+                    d: {b: _time(_tree_call(cache, logits[:d].contiguous(), TreeParams(b, d, branching)), sync, repeats)
+                        for b in budgets}
                     for d in depths
                 }
     costs = CostTable(str(target.device), context_length, verify_s, draft_s, tree_s, commit_s)
