@@ -138,8 +138,26 @@ class Bound(_Strict):
 
 
 class SamplerSection(_Strict):
-    type: Literal["tpe", "random", "grid", "nsga2"] = "tpe"
+    type: Literal["tpe", "random", "grid", "nsga2", "predicted"] = "tpe"
     seed: int | None = 0
+    explore: int = Field(2, ge=0, description="predicted: of the n_trials real trials, how many check random "
+                                              "other settings (the rest run the predicted best)")
+    max_points: int = Field(2000, ge=1, description="predicted: settings predicted (a random sample when the "
+                                                      "space is larger)")
+    predict: bool = Field(False, description="other samplers: also log predicted_tokens_per_s on every trial")
+
+    @property
+    def predicts(self) -> bool:
+        return self.type == "predicted" or self.predict
+
+
+class PrunerSection(_Strict):
+    """Early stopping of bad trials from per-prompt reports (single-objective sweeps only)."""
+
+    type: Literal["none", "median", "percentile", "successive_halving"] = "none"
+    n_startup_trials: int = Field(2, ge=0, description="median/percentile: trials completed before any pruning")
+    n_warmup_steps: int = Field(1, ge=0, description="median/percentile: prompts a trial runs before it can be pruned")
+    percentile: float = Field(25.0, gt=0, lt=100, description="percentile: prune below this percentile")
 
 
 class MlflowSection(_Strict):
@@ -182,6 +200,7 @@ class SweepConfig(_Strict):
     objectives: list[Objective] = Field(min_length=1, max_length=2)
     constraints: dict[Literal[METRICS], Bound] = Field(default_factory=dict)  # type: ignore[valid-type]
     sampler: SamplerSection = SamplerSection()
+    pruner: PrunerSection = PrunerSection()
     n_trials: int = Field(ge=1, description="COMPLETE trials wanted")
     storage: str = "sqlite:///runs/optuna.db"
     mlflow: MlflowSection = MlflowSection()
@@ -227,6 +246,17 @@ class SweepConfig(_Strict):
         metrics = [objective.metric for objective in self.objectives]
         if len(set(metrics)) != len(metrics):
             raise ValueError(f"objectives: the same metric twice ({metrics})")
+        if self.pruner.type != "none" and len(self.objectives) > 1:
+            raise ValueError("pruner.type: pruning needs a single objective (Optuna cannot prune multi-objective trials)")
+        if self.sampler.predicts:
+            where = "sampler.type" if self.sampler.type == "predicted" else "sampler.predict"
+            if self.method == "ar":
+                raise ValueError(f"{where}: predictions are for speculative methods (ddtree, dflash), not 'ar'")
+            if self.sampler.type == "predicted" and ("tokens_per_s", "maximize") not in [
+                (o.metric, o.direction) for o in self.objectives
+            ]:
+                raise ValueError("sampler.type: 'predicted' ranks settings by predicted tokens_per_s; "
+                                 "add the objective {metric: tokens_per_s, direction: maximize}")
         if self.sampler.type == "grid":
             bad = [n for n, p in self.search_space.items() if isinstance(p, IntParam) and p.log]
             if bad:

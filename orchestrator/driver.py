@@ -44,6 +44,7 @@ from orchestrator import locks
 from orchestrator import study as studies
 from orchestrator.config import METRICS, SweepConfig, check_against_block
 from orchestrator.pool import ACTOR_DEATH, Slot, check_resources, replace_actor, start_pool
+from orchestrator.predictor import Predictor
 from orchestrator.progress import Progress
 from orchestrator.signals import RAY_ENV, Interrupted, StopSignals
 from orchestrator.tracking import (
@@ -77,6 +78,9 @@ class InFlight:
     run_id: str
     attempt: int
     started_ms: int
+    predicted: dict[str, float] | None = None  # predicted_tokens_per_s etc. (sweeps that predict)
+    pruning: bool = False  # the pruner said stop: the final result is told PRUNED
+    last_step: int = 0
 
 
 class SweepFailed(Exception):
@@ -100,6 +104,7 @@ class Driver:
         self.parent_id: str | None = None
         self.ray_started = False
         self.failures_in_a_row, self.last_error = 0, ""
+        self.predictor: Predictor | None = None
 
     # -- set-up --------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -167,6 +172,8 @@ class Driver:
             if self.study is None:
                 self.study = studies.create_study(self.config, self.storage, self.study_name)
             self._attach_parent()
+        if self.config.sampler.predicts:
+            self._start_predictions(block)
         return self._loop()
 
     def _open_stores(self) -> None:
@@ -252,7 +259,10 @@ class Driver:
             self.tracker.kill(run.info.run_id, "the driver stopped before the trial finished")
         for trial in studies.stale_running(self.study):
             done = finished.get(str(trial.number))
-            if done is not None:
+            if done is not None and done.data.tags.get(STATUS_TAG) == "pruned":
+                self.study.tell(trial.number, state=TrialState.PRUNED, skip_if_finished=True)
+                self.progress.note(f"trial {trial.number}: recovered as pruned from MLflow")
+            elif done is not None:
                 metrics = dict(done.data.metrics)
                 studies.tell_result(self.study, trial.number, self.config, metrics, done.data.tags.get(STATUS_TAG) == "oom")
                 self.progress.note(f"trial {trial.number}: recovered its finished result from MLflow")
@@ -301,7 +311,7 @@ class Driver:
             return EXIT_INTERRUPTED
 
     def _has_work(self) -> bool:
-        if self.config.sampler.type != "grid":
+        if self.config.sampler.type not in ("grid", "predicted"):
             return True
         return bool(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
 
@@ -339,15 +349,24 @@ class Driver:
         run_id = self.tracker.start_child(self.parent_id, self.study_name, studies.study_uid(self.study), number,
                                           self._run_params(number, params), attempt)
         studies.link_run(self.study, number, run_id, self.tracker.run_url(run_id))
-        ref = slot.handle.run_trial.remote(self._spec(params, fault))
-        self.inflight[ref] = InFlight(slot, number, params, run_id, attempt, int(time.time() * 1000))
+        if self.config.pruner.type != "none":  # per-prompt reports: a streaming generator (see _step)
+            ref = slot.handle.run_trial_steps.options(num_returns="streaming").remote(self._spec(params, fault))
+        else:
+            ref = slot.handle.run_trial.remote(self._spec(params, fault))
+        predicted = self.predictor.predict(params, slot.index) if self.predictor else None
+        self.inflight[ref] = InFlight(slot, number, params, run_id, attempt, int(time.time() * 1000), predicted)
         slot.state, slot.trial_number = "running", number
 
     def _collect(self, ref) -> None:
         job = self.inflight.pop(ref)
         job.slot.state, job.slot.trial_number = "idle", None
         try:
-            result = ray.get(ref)
+            if isinstance(ref, ray.ObjectRefGenerator):
+                result = self._step(ref, job)
+                if result is None:  # an intermediate report: the trial goes on
+                    return
+            else:
+                result = ray.get(ref)
         except ACTOR_DEATH as exc:
             self._actor_died(job, exc)
             return
@@ -358,6 +377,11 @@ class Driver:
             self._failed(job, result.error or "unknown error")
             return
         if not self._still_ours(job):
+            return
+        if job.predicted is not None:
+            result.metrics.update(job.predicted)
+        if job.pruning or result.status is TrialStatus.PRUNED:
+            self._pruned(job, result)
             return
         if not self.tracker.finish_child(job.run_id, result, job.started_ms):  # MLflow first: see the module docstring
             self._not_ours(job)
@@ -389,6 +413,44 @@ class Driver:
         self.tracker.fail(job.run_id, error)
         self.study.tell(job.trial_number, state=TrialState.FAIL, skip_if_finished=True)
         self.progress.note(f"trial {job.trial_number} failed: {first_line}")
+
+    # -- predictions and early stopping ------------------------------------------------------------
+    def _start_predictions(self, block: int | None) -> None:
+        """Replay + cost tables from the actors, logged on the parent run; the predicted plan enqueued."""
+        self.progress.note("recording the acceptance replay and measuring each actor's costs ...")
+        self.predictor = Predictor.gather(self.config, self.slots, lambda setting: self._spec(setting, None), block)
+        self.tracker.log_costs(self.parent_id, {slot.index: self.predictor.costs[slot.index].to_dict()
+                                                for slot in self.slots}, [s.info for s in self.slots])
+        if self.config.sampler.type == "predicted":
+            plan = None if studies.PLAN_ATTR in self.study.user_attrs else self.predictor.plan()
+            studies.enqueue_plan(self.study, plan)
+            self.tracker.log_plan(self.parent_id, self.study.user_attrs[studies.PLAN_ATTR])
+
+    def _step(self, generator, job: InFlight) -> TrialResult | None:
+        """One item of a trial's stream: report an intermediate value (and maybe stop the trial), or
+        return the final result."""
+        item = ray.get(next(generator))
+        if "result" in item:
+            return item["result"]
+        self.inflight[generator] = job
+        job.slot.state, job.slot.trial_number = "running", job.trial_number
+        job.last_step = item["step"]
+        metric = self.config.objectives[0].metric
+        value = item["metrics"].get(metric)
+        if value is not None and not job.pruning:
+            self.tracker.log_step(job.run_id, f"intermediate_{metric}", float(value), item["step"])
+            trial = studies.running_trial(self.study, job.trial_number)
+            trial.report(float(value), item["step"])
+            if trial.should_prune():
+                job.pruning = True
+                job.slot.handle.stop_trial.remote()
+                self.progress.note(f"trial {job.trial_number}: pruned after {item['step']} prompts")
+        return None
+
+    def _pruned(self, job: InFlight, result: TrialResult) -> None:
+        """MLflow run FINISHED with trial_status=pruned (and the prompts it ran), then Optuna PRUNED."""
+        self.tracker.finish_pruned(job.run_id, result, job.started_ms, job.last_step)
+        self.study.tell(job.trial_number, state=TrialState.PRUNED, skip_if_finished=True)
 
     def _actor_died(self, job: InFlight, exc: Exception) -> None:
         slot = job.slot

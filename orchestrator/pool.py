@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import platform
+import queue
+import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -17,7 +19,8 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from orchestrator.config import SweepConfig
-from workers.errors import BadInputError
+from workers.errors import BadInputError, TrialStopped
+from workers.metrics import summarize
 from workers.worker import TrialResult, TrialSpec, Worker, WorkerConfig
 
 ACTOR_DEATH = (ActorDiedError, ActorUnavailableError, RayActorError)
@@ -57,6 +60,42 @@ def _device_names() -> list[str]:
     if torch.cuda.is_available():
         return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return [f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"]
+
+    # -- predictions (orchestrator.predictor) --------------------------------------------------------
+    def replay_tables(self, spec: TrialSpec, top_k: int) -> list[dict[str, Any]]:
+        return self.worker.replay_tables(spec, top_k)
+
+    def measure_costs(self, spec: TrialSpec, settings: list[dict[str, Any]]) -> dict[str, Any]:
+        return self.worker.measure_costs(spec, settings)
+
+    # -- early stopping: per-prompt reports, streamed ----------------------------------------------
+    def run_trial_steps(self, spec: TrialSpec):
+        """A Ray streaming generator: ``{"step": k, "metrics": ...}`` after each of the k prompts
+        (metrics over the prompts so far), then ``{"result": ...}``. The trial runs in a thread so
+        ``stop_trial`` (its own concurrency group) can reach it between prompts."""
+        self._stop = threading.Event()
+        events: queue.Queue = queue.Queue()
+
+        def on_prompt(outputs, baseline) -> None:
+            if self._stop.is_set():
+                raise TrialStopped(f"pruned after {len(outputs) - 1} prompts")
+            events.put({"step": len(outputs), "metrics": summarize(outputs, baseline, greedy=spec.temperature < 1e-5)})
+
+        thread = threading.Thread(target=lambda: events.put({"result": self.worker.run_trial(spec, on_prompt)}),
+                                  daemon=True)
+        thread.start()
+        while True:
+            event = events.get()
+            yield event
+            if "result" in event:
+                break
+        thread.join()
+
+    @ray.method(concurrency_group="control")
+    def stop_trial(self) -> None:
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
 
 
 def worker_config(config: SweepConfig) -> dict[str, Any]:
@@ -106,7 +145,8 @@ class Slot:
 
 
 def start_actor(config: SweepConfig):
-    remote = ray.remote(GenerationActor)
+    # trials run in the default group (one at a time); stop_trial answers while one runs
+    remote = ray.remote(concurrency_groups={"control": 1})(GenerationActor)
     return remote.options(**actor_options(config)).remote(worker_config(config))
 
 

@@ -51,6 +51,7 @@ CPU_TEXT = (
     "and a round's drafting, tree build and verify cost more than its extra accepted tokens save. The "
     "demo shows the tool working, not a GPU's speedup."
 )
+PREDICTED_COLUMNS = ("predicted_tokens_per_s", "predicted_tau")  # sweeps that predict (orchestrator.predictor)
 
 
 def trials_from_mlflow(tracking_uri: str, experiment: str, study: str, study_uid: str | None = None) -> pd.DataFrame:
@@ -80,6 +81,7 @@ def trials_from_mlflow(tracking_uri: str, experiment: str, study: str, study_uid
                 row[name] = None if value == "None" else int(value)
         row.update({name: run.data.metrics.get(name) for name in METRIC_COLUMNS})
         row["memory_kind"] = run.data.tags.get("memory_kind", "cuda")
+        row.update({name: run.data.metrics[name] for name in PREDICTED_COLUMNS if name in run.data.metrics})
         row["run_id"] = run.info.run_id
         rows.append(row)
     frame = pd.DataFrame(rows)
@@ -294,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     if not console.is_terminal:
         console = Console(width=180)
-    columns = ["trial", "status", *[c for c in PARAM_COLUMNS if c in frame], *METRIC_COLUMNS]
+    columns = ["trial", "status", *[c for c in PARAM_COLUMNS if c in frame], *METRIC_COLUMNS,
+               *[c for c in PREDICTED_COLUMNS if c in frame]]
     table = Table(title=f"study {study_name}: {len(frame)} finished trials")
     for column in columns:
         table.add_column(column, justify="right")
@@ -333,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
                               f"{_cell(row['baseline_tokens_per_s'])} tokens/s", highlight=False)
     for line in skipped:
         console.print(line, highlight=False)
+    for line in prediction_lines(frame):
+        console.print(line, highlight=False)
     console.print(f"wrote {out / 'trials.csv'} and {len(written)} plots to {out}")
     return 0
 
@@ -345,6 +350,26 @@ def report_dir(study_name: str) -> Path:
 def notebook_figures_dir(root: Path, study_name: str) -> Path:
     """Where the analysis notebook writes its figures: beside the notebook, never the report's folder."""
     return root / "notebooks" / "figures" / study_name
+
+
+def prediction_lines(frame: pd.DataFrame) -> list[str]:
+    """Predicted against measured over the trials that ran to the end: mean and worst relative
+    error of tokens/s and tau, and whether the predicted best was the measured best."""
+    if "predicted_tokens_per_s" not in frame:
+        return []
+    ok = frame[(frame["status"] == "ok") & frame["predicted_tokens_per_s"].notna()]
+    if ok.empty:
+        return []
+    error = (ok["predicted_tokens_per_s"] - ok["tokens_per_s"]) / ok["tokens_per_s"]
+    lines = [f"predicted vs measured tokens/s over {len(ok)} trials: mean error {error.abs().mean():.1%}, "
+             f"worst {error.abs().max():.1%} (trial {int(ok.loc[error.abs().idxmax(), 'trial'])})"]
+    if "predicted_tau" in ok:
+        tau_error = (ok["predicted_tau"] - ok["tau"]).abs() / ok["tau"]
+        lines.append(f"predicted vs measured tau: mean error {tau_error.mean():.2%}, worst {tau_error.max():.2%}")
+    best_predicted = int(ok.loc[ok["predicted_tokens_per_s"].idxmax(), "trial"])
+    best_measured = int(ok.loc[ok["tokens_per_s"].idxmax(), "trial"])
+    lines.append(f"predicted best: trial {best_predicted}; measured best: trial {best_measured}")
+    return lines
 
 
 def resolve_study_name(config) -> str:

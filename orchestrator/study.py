@@ -146,7 +146,19 @@ def make_sampler(config: SweepConfig) -> optuna.samplers.BaseSampler:
         return optuna.samplers.TPESampler(seed=seed)
     if kind == "nsga2":
         return optuna.samplers.NSGAIISampler(seed=seed)
-    return optuna.samplers.RandomSampler(seed=seed)  # random, and grid (whose points are all enqueued)
+    return optuna.samplers.RandomSampler(seed=seed)  # random; grid and predicted (whose points are all enqueued)
+
+
+def make_pruner(config: SweepConfig) -> optuna.pruners.BasePruner:
+    pruner = config.pruner
+    if pruner.type == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=pruner.n_startup_trials, n_warmup_steps=pruner.n_warmup_steps)
+    if pruner.type == "percentile":
+        return optuna.pruners.PercentilePruner(pruner.percentile, n_startup_trials=pruner.n_startup_trials,
+                                               n_warmup_steps=pruner.n_warmup_steps)
+    if pruner.type == "successive_halving":
+        return optuna.pruners.SuccessiveHalvingPruner()
+    return optuna.pruners.NopPruner()
 
 
 @dataclass
@@ -183,7 +195,8 @@ def open_study(config: SweepConfig, storage, new_study: bool = False) -> StudyHa
 def create_study(config: SweepConfig, storage, name: str) -> optuna.Study:
     """A new study with the attributes that identify it (call inside a critical section)."""
     directions = [objective.direction for objective in config.objectives]
-    study = optuna.create_study(storage=storage, study_name=name, directions=directions, sampler=make_sampler(config))
+    study = optuna.create_study(storage=storage, study_name=name, directions=directions, sampler=make_sampler(config),
+                                pruner=make_pruner(config))
     study.set_user_attr(FINGERPRINT_ATTR, config.fingerprint())
     study.set_user_attr("sweep_definition", config.defining_summary())
     study.set_user_attr(UID_ATTR, uuid.uuid4().hex)
@@ -194,7 +207,7 @@ def create_study(config: SweepConfig, storage, name: str) -> optuna.Study:
 
 
 def load_study(config: SweepConfig, storage, name: str) -> optuna.Study:
-    study = optuna.load_study(study_name=name, storage=storage, sampler=make_sampler(config))
+    study = optuna.load_study(study_name=name, storage=storage, sampler=make_sampler(config), pruner=make_pruner(config))
     if UID_ATTR not in study.user_attrs:  # made by an older version of the driver
         study.set_user_attr(UID_ATTR, uuid.uuid4().hex)
     name_objectives(study, config)
@@ -265,9 +278,41 @@ def enqueue_grid(study: optuna.Study, config: SweepConfig) -> None:
 
 def target_complete(config: SweepConfig) -> int:
     """COMPLETE trials the sweep stops at (a grid has no more points than its size)."""
-    if config.sampler.type == "grid":
-        return min(config.n_trials, len(grid_points(config)))
+    if config.sampler.type in ("grid", "predicted"):
+        return min(config.n_trials, space_size(config))
     return config.n_trials
+
+
+def space_size(config: SweepConfig) -> int:
+    return math.prod(len(space.values()) for space in config.search_space.values())
+
+
+def space_points(config: SweepConfig, limit: int, seed: int | None) -> list[dict[str, Any]]:
+    """Every point of the search space, or ``limit`` distinct random ones when it has more (seeded)."""
+    if space_size(config) <= limit:
+        return grid_points(config)
+    import random
+
+    rng = random.Random(seed)
+    names = sorted(config.search_space)
+    axes = [config.search_space[n].values() for n in names]
+    seen: dict[tuple, dict[str, Any]] = {}
+    while len(seen) < limit:
+        point = tuple(rng.choice(axis) for axis in axes)
+        seen.setdefault(point, dict(zip(names, point, strict=True)))
+    return list(seen.values())
+
+
+PLAN_ATTR = "predicted_plan"
+
+
+def enqueue_plan(study: optuna.Study, plan: list[dict[str, Any]]) -> None:
+    """The predicted strategy's points, once each (as the grid's): stored on the study so a resumed
+    sweep runs the same plan even though its cost table is measured again."""
+    if PLAN_ATTR not in study.user_attrs:
+        study.set_user_attr(PLAN_ATTR, plan)
+    for entry in study.user_attrs[PLAN_ATTR]:
+        study.enqueue_trial(entry["params"], user_attrs={"plan_role": entry["role"]}, skip_if_exists=True)
 
 
 def count_complete(study: optuna.Study) -> int:
@@ -381,6 +426,11 @@ def is_running(study: optuna.Study, trial_number: int) -> bool:
     """True while the trial is still open (only then may this driver write to it)."""
     trial_id = study._storage.get_trial_id_from_study_id_trial_number(study._study_id, trial_number)
     return study._storage.get_trial(trial_id).state == TrialState.RUNNING
+
+
+def running_trial(study: optuna.Study, trial_number: int) -> Trial:
+    """A handle on a RUNNING trial by number (for report / should_prune / attributes under ask/tell)."""
+    return Trial(study, study._storage.get_trial_id_from_study_id_trial_number(study._study_id, trial_number))
 
 
 def tell_result(study: optuna.Study, trial_number: int, config: SweepConfig, metrics: dict[str, Any], oom: bool) -> None:

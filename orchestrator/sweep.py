@@ -80,8 +80,13 @@ def plan_text(config, path: Path, new_study: bool = False) -> str:
         + f" (limit {config.prompts.limit}, seed {config.prompts.seed}, {config.prompts.max_new_tokens} new tokens, "
         + ("chat template" if config.prompts.chat_template else "raw text")
         + (", thinking on)" if config.prompts.enable_thinking else ")"),
-        f"sampler    {config.sampler.type} (seed {config.sampler.seed}); {target_complete(config)} complete trials wanted",
+        f"sampler    {config.sampler.type} (seed {config.sampler.seed}); {target_complete(config)} complete trials wanted"
+        + (f"; the predicted best and {config.sampler.explore} explored" if config.sampler.type == "predicted" else "")
+        + ("; predictions logged" if config.sampler.predict else ""),
     ]
+    if config.pruner.type != "none":
+        p = config.pruner
+        lines.append(f"pruner     {p.type} (startup {p.n_startup_trials} trials, warm-up {p.n_warmup_steps} prompts)")
     for name, space in config.search_space.items():
         lines.append(f"  {name:<17} {space.model_dump(exclude={'type'})}")
     for name, value in config.fixed_params.items():

@@ -24,6 +24,7 @@ What lands where (so the runs table can filter and compare):
 from __future__ import annotations
 
 import csv
+import dataclasses
 import functools
 import json
 import tempfile
@@ -211,6 +212,33 @@ class Tracker:
         self.client.log_artifact(run_id, str(config_path), artifact_path="config")
         self.client.log_dict(run_id, resolved, "config/resolved.json")
         return run_id
+
+    @_store_call
+    def log_costs(self, run_id: str, costs: dict[int, dict[str, Any]], infos: list[dict[str, Any]]) -> None:
+        """Each actor's measured cost table as an artifact (re-measured, so overwritten, on resume)."""
+        for index, table in costs.items():
+            self.client.log_dict(run_id, table | {"actor": infos[index] if index < len(infos) else {}},
+                                 f"costs/actor-{index}.json")
+        tags = [RunTag(f"costs.actor{index}.device", table["device"]) for index, table in costs.items()]
+        self.client.log_batch(run_id, tags=tags)
+
+    @_store_call
+    def log_plan(self, run_id: str, plan: list[dict[str, Any]]) -> None:
+        self.client.log_dict(run_id, {"plan": plan}, "predicted_plan.json")
+
+    @_store_call
+    def log_step(self, run_id: str, key: str, value: float, step: int) -> None:
+        self.client.log_batch(run_id, metrics=[Metric(key, value, int(time.time() * 1000), step)])
+
+    def finish_pruned(self, run_id: str, result: TrialResult, started_ms: int, prompts_done: int) -> bool:
+        """A pruned trial: what it measured, tagged trial_status=pruned, FINISHED (so a resumed
+        driver finds it and tells Optuna PRUNED again instead of re-running it)."""
+        from workers.worker import TrialStatus
+
+        if self.status(run_id) != "RUNNING":
+            return False
+        self.client.set_tag(run_id, "pruned_after_prompts", str(prompts_done))
+        return self.finish_child(run_id, dataclasses.replace(result, status=TrialStatus.PRUNED), started_ms)
 
     def _log_params(self, run_id: str, params: dict[str, Any]) -> None:
         items = [Param(k, _param_text(v)) for k, v in params.items()]

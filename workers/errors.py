@@ -21,3 +21,7 @@ class CheckpointMismatchError(BadInputError):
 
 class UnsupportedModelError(BadInputError):
     """The target architecture is not one the engines can run exactly."""
+
+
+class TrialStopped(SpecDecError):
+    """The driver stopped a trial early (an Optuna pruner): raised between prompts, reported as "pruned"."""

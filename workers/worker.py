@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from workers import costs as cost_model
+from workers.decoding import replay
 from workers.decoding.drafting import DraftGraphStore
 from workers.decoding.generation import (
     NULL_TIMER,
@@ -31,7 +33,7 @@ from workers.decoding.generation import (
 )
 from workers.decoding.knobs import ARParams, MethodParams
 from workers.decoding.methods import METHODS, Method, method_of
-from workers.errors import BadInputError
+from workers.errors import BadInputError, TrialStopped
 from workers.memory import KIND_CUDA, MemoryTrace, MemoryTracer, reset_and_empty_cache
 from workers.metrics import acceptance_histogram, median_run, per_category, summarize
 from workers.models.drafter import DFlashDrafter, DrafterSpec
@@ -55,6 +57,7 @@ class TrialStatus(str, Enum):
     OK = "ok"
     OOM = "oom"  # out of memory: a result (infeasible), not a failure
     ERROR = "error"
+    PRUNED = "pruned"  # stopped early by the sweep's pruner (``on_prompt`` raised TrialStopped)
 
 
 @dataclass(frozen=True)
@@ -174,7 +177,9 @@ class Worker:
     def block_size(self) -> int | None:
         return self.drafter.block_size if self.drafter else None
 
-    def run_trial(self, spec: TrialSpec) -> TrialResult:
+    def run_trial(self, spec: TrialSpec, on_prompt=None) -> TrialResult:
+        """``on_prompt(outputs, baseline)`` (optional) runs after each prompt with the outputs so far;
+        raising ``TrialStopped`` there ends the trial with status "pruned" (early stopping)."""
         started = time.perf_counter()
         tracer = MemoryTracer(interval_ms=self.config.memory_interval_ms)
         status, error, outputs, metrics, baseline = TrialStatus.OK, None, [], {}, None
@@ -188,7 +193,7 @@ class Worker:
                     os._exit(17)
                 prompts, gen = self._prepare(spec)
                 baseline = self._baseline(spec, prompts, gen) if spec.baseline else None
-                outputs = self._generate_all(spec, prompts, gen)
+                outputs = self._generate_all(spec, prompts, gen, on_prompt, baseline)
                 state_bytes = self._state_bytes
             metrics = summarize(outputs, baseline, greedy=gen.temperature < 1e-5)
             metrics |= per_category(spec.prompts, outputs, baseline)
@@ -196,6 +201,8 @@ class Worker:
                 metrics["tree_state_bytes"] = float(state_bytes)
         except torch.cuda.OutOfMemoryError as exc:
             status, error = TrialStatus.OOM, f"{type(exc).__name__}: {exc}"
+        except TrialStopped as exc:
+            status, error = TrialStatus.PRUNED, str(exc)
         except (BadInputError, ValueError) as exc:
             status, error = TrialStatus.ERROR, str(exc)
         except Exception as exc:  # a trial must end in a result, never take the worker down
@@ -234,7 +241,8 @@ class Worker:
         gen = GenerationConfig(spec.max_new_tokens, spec.temperature, tuple(stops), spec.seed)
         return prompts, gen
 
-    def _generate_all(self, spec: TrialSpec, prompts: list[torch.Tensor], gen: GenerationConfig) -> list[GenerationOutput]:
+    def _generate_all(self, spec: TrialSpec, prompts: list[torch.Tensor], gen: GenerationConfig, on_prompt=None,
+                      baseline: list[GenerationOutput] | None = None) -> list[GenerationOutput]:
         entry = METHODS[spec.method]
         drafter = self.drafter if entry.needs_drafter else None
         graphs = self.draft_graphs if entry.needs_drafter else None
@@ -242,6 +250,7 @@ class Worker:
             warm = GenerationConfig(min(WARMUP_TOKENS, gen.max_new_tokens), gen.temperature, (), gen.seed)
             entry.generate(self.target, drafter, prompts[0], warm, spec.params, draft_graphs=graphs)
         outputs, state_bytes = [], 0
+
         def measure(prompt_ids: torch.Tensor, prompt_gen: GenerationConfig) -> GenerationOutput:
             timer = StageTimer(device_sync(self.target.device)) if spec.stage_timing else NULL_TIMER  # one per run
             return entry.generate(self.target, drafter, prompt_ids, prompt_gen, spec.params, timer=timer,
@@ -252,6 +261,8 @@ class Worker:
             # Repeats give the same tokens (same seed); only the times differ, and the median one counts.
             outputs.append(median_run([measure(prompt_ids, prompt_gen) for _ in range(max(spec.repeats, 1))]))
             state_bytes = max(state_bytes, getattr(self.target, "peak_state_bytes", 0))
+            if on_prompt is not None:
+                on_prompt(outputs, baseline[: len(outputs)] if baseline is not None else None)
         self._state_bytes = state_bytes if getattr(self.target, "linear_ids", ()) else None
         return outputs
 
@@ -266,3 +277,27 @@ class Worker:
                                 repeats=spec.repeats)
             self._baselines[key] = self._generate_all(ar_spec, prompts, gen)
         return self._baselines[key]
+
+    # -- sweep intelligence: acceptance replay and the cost table (workers.decoding.replay, workers.costs)
+    def replay_tables(self, spec: TrialSpec, top_k: int) -> list[dict[str, Any]]:
+        """One ``ReplayTable`` (as a dict) per prompt of ``spec``: the AR continuation and the drafter's
+        top-``top_k`` per depth at every round start, for predicting any setting's rounds."""
+        prompts, gen = self._prepare(spec)
+        if self.drafter is None:
+            raise BadInputError("acceptance replay needs a drafter, and this worker has none")
+        tables = []
+        for index, prompt_ids in enumerate(prompts):
+            config = GenerationConfig(gen.max_new_tokens, gen.temperature, gen.stop_token_ids, gen.seed + index)
+            tables.append(replay.record(self.target, self.drafter, prompt_ids, config, top_k).to_dict())
+        return tables
+
+    def measure_costs(self, spec: TrialSpec, settings: list[dict[str, Any]]) -> dict[str, Any]:
+        """This actor's ``CostTable`` (as a dict) for ``spec.method`` over ``settings`` (flat sweep
+        parameters), timed at a mid-generation context length; calibrated on the first prompt."""
+        prompts, gen = self._prepare(spec)
+        mean_prompt = sum(p.shape[1] for p in prompts) // len(prompts)
+        table = cost_model.measure_costs(
+            self.target, self.drafter, spec.method.value, settings, mean_prompt + gen.max_new_tokens // 2,
+            calibration_prompt=prompts[0], calibration=gen, draft_graphs=self.draft_graphs,
+        )
+        return table.to_dict()

@@ -5,7 +5,9 @@ and vocab 6 / block 6 where drafts are accepted often) and the hybrids (Qwen3.5 
 Qwen3-Next with MoE at vocab 32 / block 8), whose Gated DeltaNet state must fork per tree node. Every run also goes through ``check_run``, which checks
 the bookkeeping every engine shares (round lengths within their bound, the bonus counted, only the
 last round cut short by a stop or the token limit). Runs are logged in ``RUN_LOG`` so the last
-test can show the sweep was not vacuous (multi-token rounds really were accepted).
+test can show the sweep was not vacuous (multi-token rounds really were accepted). Every greedy
+speculative run is also checked against the acceptance replay (``workers.decoding.replay``): its
+per-round acceptance lengths must be the ones the replay predicts without running the engine.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import itertools
 import pytest
 import torch
 
-from workers.decoding import ar, ddtree, dflash
+from workers.decoding import ar, ddtree, dflash, replay
 from workers.decoding.dflash import DFlashParams
 from workers.decoding.generation import GenerationConfig, GenerationOutput, StageTimer
 from workers.decoding.tree import TreeParams
@@ -37,6 +39,8 @@ BRANCHINGS = (1, 2, 4, None)
 RUN_LOG: list[dict] = []  # one entry per speculative run: engine, fixture, tokens, rounds, committed
 _PROMPTS: dict[str, list[torch.Tensor]] = {}
 _AR_REF: dict[tuple[str, int], list[int]] = {}
+_REPLAY: dict[tuple, replay.ReplayTable] = {}
+REPLAY_CEILING = max(BUDGETS)  # one tree build per position serves every budget up to this
 
 
 # --- helpers ---------------------------------------------------------------------------------------
@@ -110,6 +114,8 @@ def run(
     out = ENGINES[engine](target or tiny.target, drafter, prompt, config, params, **kwargs)
     bound = round_bound(engine, params, tiny.shape.block_size)
     check_run(out, engine, config, bound, timed=timer is not None)
+    if engine != "ar" and target is None and config.temperature == 0:
+        assert out.acceptance_lengths == replayed_lengths(tiny, fixture, prompt, config, engine, params)
     if engine != "ar":
         RUN_LOG.append(
             {
@@ -121,6 +127,17 @@ def run(
             }
         )
     return out
+
+
+def replayed_lengths(tiny, fixture: str, prompt: torch.Tensor, config: GenerationConfig, engine: str, params) -> list[int]:
+    """The acceptance lengths the replay predicts for this run (one table per prompt and config)."""
+    key = (fixture, tuple(prompt[0].tolist()), config.max_new_tokens, config.stop_token_ids)
+    if key not in _REPLAY:
+        greedy = GenerationConfig(config.max_new_tokens, 0.0, config.stop_token_ids)
+        _REPLAY[key] = replay.record(tiny.target, tiny.drafter, prompt, greedy, top_k=REPLAY_CEILING)
+    if engine == "dflash":
+        return replay.dflash_lengths(_REPLAY[key], params.resolve(tiny.shape.block_size))
+    return replay.ddtree_lengths(_REPLAY[key], params, tiny.shape.block_size, ceiling=max(REPLAY_CEILING, params.budget))
 
 
 def check_run(

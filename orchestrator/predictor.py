@@ -1,0 +1,95 @@
+"""The sweep's predictions: replay tables and cost tables from the actors, tokens/s for any setting.
+
+At the start of a sweep that predicts (``sampler: {type: predicted}`` or ``predict: true``), the
+first actor records the acceptance replay of the sweep's prompts (``Worker.replay_tables``) and
+every actor measures its own cost table (``Worker.measure_costs``: hardware may differ between
+actors). A trial's ``predicted_tokens_per_s`` uses the cost table of the actor that runs it.
+
+Greedy: the predicted rounds are exact (float32) or match to noise (bf16). Temperature > 0: the
+replay runs on a sampled AR continuation, which gives the engines' acceptance in distribution
+(their output is an AR sample), so the prediction is a one-sample Monte-Carlo estimate of tau; the
+predicted strategy uses it the same way, and the report's predicted-vs-measured columns show how
+well it held.
+
+The predicted strategy: predict every point of the space (or ``max_points`` of them), run the
+``n_trials - explore`` best and ``explore`` random others (to check the model away from its
+optimum); the plan is stored on the Optuna study, so a resumed sweep runs the same points.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import ray
+
+from orchestrator import study as studies
+from orchestrator.config import SweepConfig
+from workers.costs import CostTable, predict
+from workers.decoding.replay import ReplayTable
+
+
+def _axis(config: SweepConfig, name: str) -> list[Any]:
+    if name in config.search_space:
+        return config.search_space[name].values()
+    return [config.fixed_params.get(name)]
+
+
+def tree_ceiling(config: SweepConfig) -> int | None:
+    """The largest budget any trial can get (from the space's bounds, not a sample of it)."""
+    return max(int(b) for b in _axis(config, "tree_budget")) if config.method == "ddtree" else None
+
+
+def tree_width(config: SweepConfig) -> int:
+    """Top-K per depth the replay tables keep: the widest tree any trial builds."""
+    if config.method != "ddtree":
+        return 1
+    ceiling = tree_ceiling(config)
+    return max(ceiling if k is None else min(ceiling, int(k)) for k in _axis(config, "branching"))
+
+
+class Predictor:
+    def __init__(self, config: SweepConfig, tables: list[ReplayTable], costs: dict[int, CostTable], block_size: int,
+                 ceiling: int | None) -> None:
+        self.config, self.tables, self.costs, self.block_size, self.ceiling = config, tables, costs, block_size, ceiling
+        self.points: list[dict[str, Any]] = []
+        self._cache: dict[tuple, dict[str, float]] = {}
+
+    @classmethod
+    def gather(cls, config: SweepConfig, slots, make_spec, block_size: int) -> Predictor:
+        """Replay on the first actor and a cost table on every actor, in parallel (models stay loaded).
+
+        ``make_spec(setting)``: the sweep's TrialSpec for one setting (its prompts and generation
+        settings are what the replay and the cost table use)."""
+        points = studies.space_points(config, config.sampler.max_points, config.sampler.seed)
+        settings = [point | dict(config.fixed_params) for point in points]
+        spec = make_spec(settings[0])
+        ceiling = tree_ceiling(config)
+        replay_ref = slots[0].handle.replay_tables.remote(spec, tree_width(config))
+        cost_refs = [slot.handle.measure_costs.remote(spec, settings) for slot in slots]
+        tables = [ReplayTable.from_dict(t) for t in ray.get(replay_ref)]
+        costs = {slot.index: CostTable.from_dict(c) for slot, c in zip(slots, ray.get(cost_refs), strict=True)}
+        predictor = cls(config, tables, costs, block_size, ceiling)
+        predictor.points = points
+        return predictor
+
+    def predict(self, params: dict[str, Any], actor: int = 0) -> dict[str, float]:
+        setting = params | dict(self.config.fixed_params)
+        actor = actor if actor in self.costs else min(self.costs)
+        key = (actor, tuple(sorted(setting.items(), key=lambda item: item[0])))
+        if key not in self._cache:
+            p = predict(self.tables, self.costs[actor], self.config.method, setting, self.block_size, self.ceiling)
+            self._cache[key] = {"predicted_tokens_per_s": p.tokens_per_s, "predicted_tau": p.tau,
+                                "predicted_rounds": float(p.rounds)}
+        return self._cache[key]
+
+    def plan(self) -> list[dict[str, Any]]:
+        """The predicted strategy's points: the best by predicted tokens/s, then random others."""
+        scored = sorted(self.points, key=lambda point: -self.predict(point)["predicted_tokens_per_s"])
+        wanted = studies.target_complete(self.config)
+        explore = min(self.config.sampler.explore, max(wanted - 1, 0))
+        top = scored[: wanted - explore]
+        others = random.Random(self.config.sampler.seed).sample(scored[len(top) :], min(explore, len(scored) - len(top)))
+        return [{"params": p, "role": "top", **self.predict(p)} for p in top] + [
+            {"params": p, "role": "explore", **self.predict(p)} for p in others
+        ]
