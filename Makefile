@@ -1,5 +1,6 @@
 # Set-up and the two everyday commands. Everything installs into .venv on first use.
-#   make demo   - the main job: a DDTree sweep on offline tiny models (CPU, a few minutes), then its report
+#   make demo   - the main job: a DDTree sweep on the offline demo pair (trained once on this Python's own
+#                 standard library, CPU, a few minutes; cached in models/demo), then its report
 #   make test   - the test suite (CPU)
 # TORCH picks the torch requirement: the default is the CPU build; on a CUDA machine use TORCH=torch.
 PYTHON ?= python3
@@ -19,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	test -f models/tiny/drafter/model.safetensors || $(PY) -m workers.tiny models/tiny
+	$(PY) -m workers.demo_pair models/demo
 	$(PY) -m orchestrator.sweep sweeps/demo.yaml
 	$(PY) -m orchestrator.report sweeps/demo.yaml
 
