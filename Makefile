@@ -1,6 +1,7 @@
 # Set-up and the two everyday commands. Everything installs into .venv on first use.
-#   make demo   - the main job: a DDTree sweep on the offline demo pair (trained once on this Python's own
-#                 standard library, CPU, a few minutes; cached in models/demo), then its report
+#   make demo   - the main job: a DDTree sweep on the offline demo pair (CPU, a few minutes), then its report;
+#                 the first run also trains the pair on this Python's own standard library (longer; README
+#                 "The demo pair"), cached in models/demo
 #   make test   - the test suite (CPU)
 # TORCH picks the torch requirement: the default is the CPU build; on a CUDA machine use TORCH=torch.
 PYTHON ?= python3

@@ -269,7 +269,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few seconds of training (tests), not the demo recipe")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     parser.add_argument("--force", action="store_true", help="rebuild even when the folder is up to date")
-    parser.add_argument("--device", default="cpu", help="train on this torch device (default cpu; the pair is saved for the CPU)")
     args = parser.parse_args(argv)
     recipe = QUICK if args.quick else DemoRecipe()
     if not args.force and is_current(args.folder, recipe):
@@ -279,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    times = build(args.folder, recipe, device=args.device)
+    times = build(args.folder, recipe)
     total = sum(times.values())
     print(f"wrote {args.folder}/target, drafter, prompts.jsonl in {total:.0f}s "
           f"({', '.join(f'{k[:-2]} {v:.0f}s' for k, v in times.items())})", flush=True)

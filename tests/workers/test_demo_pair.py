@@ -22,17 +22,13 @@ from workers.prompts import ChatFormat, encode, load_prompts, stop_token_ids
 
 # the quick recipe, smaller still: a few seconds of training on two CPU threads
 TEST_RECIPE = replace(QUICK, corpus_bytes=100_000, target_steps=8, data_sequences=4, drafter_steps=8)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices: one thread is as fast, a core stays free
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def pair(tmp_path_factory, one_torch_thread):
     folder = tmp_path_factory.mktemp("demo") / "pair"
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        build(folder, TEST_RECIPE)
-    finally:
-        torch.set_num_threads(before)
+    build(folder, TEST_RECIPE)
     return folder
 
 
