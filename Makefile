@@ -1,5 +1,7 @@
 # Set-up and the two everyday commands. Everything installs into .venv on first use.
-#   make demo   - the main job: a DDTree sweep on offline tiny models (CPU, a few minutes), then its report
+#   make demo   - the main job: a DDTree sweep on the offline demo pair (CPU, a few minutes), then its report;
+#                 the first run also trains the pair on this Python's own standard library (longer; README
+#                 "The demo pair"), cached in models/demo
 #   make test   - the test suite (CPU; the README's test command)
 #   make test-fast - the unit tests without the real subprocess sweeps (a few minutes)
 #   make lint   - ruff: pyflakes, import order, line length (CI runs it before the tests)
@@ -21,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	test -f models/tiny/drafter/model.safetensors || $(PY) -m workers.tiny models/tiny
+	$(PY) -m workers.demo_pair models/demo
 	$(PY) -m orchestrator.sweep sweeps/demo.yaml
 	$(PY) -m orchestrator.report sweeps/demo.yaml
 

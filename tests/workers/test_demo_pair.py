@@ -1,0 +1,96 @@
+"""``python -m workers.demo_pair``: the demo pair's training path on a tiny slice of the standard
+library (the QUICK recipe, seconds), loaded back through the project's own loading code; the
+drafter's block-parallel training forward against its decoding forward; the cache key."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from workers.decoding import ar, ddtree, dflash
+from workers.decoding.generation import GenerationConfig
+from workers.decoding.tree import TreeParams
+from workers.demo_pair import HELD_OUT, QUICK, DemoRecipe, build, is_current, main, stdlib_files
+from workers.drafter_training import block_hidden
+from workers.models.loading import Placement, load_drafter, load_target, load_tokenizer
+from workers.models.static_target import make_target
+from workers.prompts import ChatFormat, encode, load_prompts, stop_token_ids
+
+# the quick recipe, smaller still: a few seconds of training on two CPU threads
+TEST_RECIPE = replace(QUICK, corpus_bytes=100_000, target_steps=8, data_sequences=4, drafter_steps=8)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices: one thread is as fast, a core stays free
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, one_torch_thread):
+    folder = tmp_path_factory.mktemp("demo") / "pair"
+    build(folder, TEST_RECIPE)
+    return folder
+
+
+def test_held_out_modules_are_never_trained_on():
+    train, held = stdlib_files()
+    assert held and len(train) > 50
+    assert {p.name for p in held} <= set(HELD_OUT)
+    assert not {p.resolve() for p in train} & {p.resolve() for p in held}
+    assert not any(part in ("site-packages", "test", "tests") for p in train for part in p.parts[-3:-1])
+
+
+def test_pair_loads_through_the_project_loaders_and_greedy_ddtree_equals_ar(pair):
+    assert sorted(p.name for p in pair.iterdir()) == ["drafter", "prompts.jsonl", "recipe.json", "target"]
+    model = load_target(str(pair / "target"), dtype="float32", placement=Placement(device="cpu"))
+    tokenizer = load_tokenizer(str(pair / "target"))
+    assert tokenizer is not None and model.config.model_type == "qwen3"
+    code = "def f(x):\n    return x + 1\n"
+    assert tokenizer.decode(tokenizer(code)["input_ids"]) == code  # byte-level: lossless round trip
+    drafter = load_drafter(str(pair / "drafter"), model)
+    assert drafter.block_size == TEST_RECIPE.block_size
+    assert drafter.spec.mask_token_id == tokenizer.convert_tokens_to_ids("<|mask|>")
+
+    prompts = load_prompts(pair / "prompts.jsonl")
+    assert len(prompts) >= 8 and all(p.text and p.category == "code" for p in prompts)
+    rows = model.get_input_embeddings().weight.shape[0]
+    target = make_target(model, drafter.spec.target_layer_ids)
+    config = GenerationConfig(24, stop_token_ids=stop_token_ids(tokenizer, model.config))
+    for prompt in prompts[:2]:
+        ids = torch.tensor([encode(prompt, tokenizer, rows, ChatFormat(chat_template=False))])
+        reference = ar.generate(target, None, ids, config).token_ids
+        assert len(reference) > 0
+        for params in (TreeParams(16), TreeParams(4, 3, 2)):
+            assert ddtree.generate(target, drafter, ids, config, params).token_ids == reference
+        assert dflash.generate(target, drafter, ids, config, dflash.DFlashParams()).token_ids == reference
+
+
+def test_training_forward_matches_the_decoding_forward(pair):
+    """block_hidden (all of a sequence's blocks in one pass) gives what DFlashDrafter.forward gives
+    for each block alone: training and decoding see the same context and the same block."""
+    model = load_target(str(pair / "target"), dtype="float32", placement=Placement(device="cpu"))
+    drafter = load_drafter(str(pair / "drafter"), model)
+    b, width = drafter.block_size, len(drafter.spec.target_layer_ids) * model.config.hidden_size
+    generator = torch.Generator().manual_seed(0)
+    taps = torch.randn(40, width, generator=generator)
+    tokens = torch.randint(0, model.config.vocab_size - 2, (40,), generator=generator)
+    anchors = torch.tensor([5, 17, 30])
+    block_ids = torch.full((3, b), drafter.spec.mask_token_id)
+    block_ids[:, 0] = tokens[anchors]
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(block_ids)
+        together = block_hidden(drafter, embeds, taps, anchors)
+        for i, anchor in enumerate(anchors.tolist()):
+            alone = drafter(embeds[i : i + 1], taps[None, :anchor], drafter.new_cache(anchor + b))
+            torch.testing.assert_close(together[i], alone[0], rtol=1e-4, atol=1e-5)
+
+
+def test_an_up_to_date_folder_is_kept_and_a_changed_recipe_is_not(pair, capsys, monkeypatch):
+    assert is_current(pair, TEST_RECIPE)
+    assert not is_current(pair, replace(TEST_RECIPE, drafter_steps=9))
+    assert not is_current(pair, DemoRecipe())
+    monkeypatch.setattr("workers.demo_pair.QUICK", TEST_RECIPE)
+    mtime = (pair / "recipe.json").stat().st_mtime_ns
+    assert main([str(pair), "--quick"]) == 0
+    assert "up to date" in capsys.readouterr().out
+    assert (pair / "recipe.json").stat().st_mtime_ns == mtime
+    assert json.loads((pair / "recipe.json").read_text())["drafter_steps"] == TEST_RECIPE.drafter_steps
