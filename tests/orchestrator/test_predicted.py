@@ -25,8 +25,7 @@ from workers.costs import round_lengths
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.replay import record
 from workers.errors import BadInputError
-from workers.models.drafter import load_drafter
-from workers.models.loading import Placement, load_target
+from workers.models.loading import Placement, load_drafter, load_target
 from workers.models.static_target import make_target
 from workers.prompts import PromptSource, load_source
 from workers.tiny import TinyShape, write_prompts, write_tiny_pair
