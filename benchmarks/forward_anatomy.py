@@ -94,7 +94,8 @@ def matmul_table(config, lines: list[str], layers: int) -> None:
         "gate_up fused": (2 * inter, hidden), "down_proj": (hidden, inter),
         "lm_head (x1)": (config.vocab_size, hidden),
     }
-    lines.append(f"{'matmul (per forward)':<22} {'q=1 ms':>8} {'GB/s':>6} {'q=16 ms':>8} {'GB/s':>6} {'q=64 ms':>8} {'GB/s':>6}")
+    lines.append(f"{'matmul (per forward)':<22} {'q=1 ms':>8} {'GB/s':>6} {'q=16 ms':>8} {'GB/s':>6} "
+                 f"{'q=64 ms':>8} {'GB/s':>6}")
     for name, (out_features, in_features) in shapes.items():
         count = 1 if name.startswith("lm_head") else layers
         weights = [torch.randn(out_features, in_features, dtype=torch.bfloat16, device="cuda") for _ in range(count)]
@@ -126,7 +127,8 @@ def main() -> int:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     embed_bytes = model.get_input_embeddings().weight.numel() * 2
     floor_ms = (weight_bytes - embed_bytes) / bandwidth * 1e3
-    lines.append(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; weights read per forward {(weight_bytes - embed_bytes) / 1e9:.2f} GB"
+    lines.append(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; weights read per forward "
+                 f"{(weight_bytes - embed_bytes) / 1e9:.2f} GB"
                  f" (embedding table excluded) -> floor {floor_ms:.2f} ms")
     if not args.no_matmuls:
         matmul_table(model.config, lines, model.config.num_hidden_layers)
@@ -169,7 +171,8 @@ def main() -> int:
     for budget in (16, 256):
         tree_ms = median_ms(lambda b=budget: graphs.build_tree(draft_logits, TreeParams(b)))
         lines.append(f"tree build B={budget} (graph replay): {tree_ms:.2f} ms")
-        kernel_breakdown(lambda b=budget: graphs.build_tree(draft_logits, TreeParams(b)), f"tree build B={budget}", lines)
+        kernel_breakdown(lambda b=budget: graphs.build_tree(draft_logits, TreeParams(b)), f"tree build B={budget}",
+                         lines)
     # a whole DDTree generation: GPU kernel time per round vs wall time per round (the gap is the
     # GPU waiting on Python and on the round's one host read)
     config = GenerationConfig(max_new_tokens=96)

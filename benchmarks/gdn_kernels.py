@@ -50,7 +50,8 @@ def main() -> int:
         g, beta = -torch.rand(q, h, device="cuda"), torch.rand(q, h, device="cuda")
         state = torch.randn(h, dk, dv, device="cuda") * 0.3
         whole = median_ms(graphed(lambda: tree_delta_rule_normalized(q_, k_, v_, g, beta, state, ancestors, True)))
-        rhs, q_S0, G = torch.randn(h, q, dv, device="cuda"), torch.randn(h, q, dv, device="cuda"), -torch.rand(h, q, device="cuda")
+        rhs, q_S0, G = (torch.randn(h, q, dv, device="cuda"), torch.randn(h, q, dv, device="cuda"),
+                        -torch.rand(h, q, device="cuda"))
         beta_ = beta.T.contiguous()
         solves = [median_ms(graphed(lambda w=w: tree_path_outputs(q_, k_, rhs, q_S0, G, beta_, ancestors, w)))
                   for w in (1, 2, 4)]

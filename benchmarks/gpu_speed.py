@@ -84,7 +84,8 @@ def main() -> int:
     parser.add_argument("--qs", default=QS, help="verify widths, comma-separated")
     parser.add_argument("--split", action="store_true",
                         help="also time the target in two segments of layers on this GPU (one graph per segment)")
-    parser.add_argument("--profile", default="", help="tree widths whose graph pass is profiled by kernel, comma-separated")
+    parser.add_argument("--profile", default="",
+                        help="tree widths whose graph pass is profiled by kernel, comma-separated")
     args = parser.parse_args()
     device = torch.device("cuda")
     lines: list[str] = []
@@ -162,7 +163,8 @@ def main() -> int:
         graphed.start(capacity=args.context + 600, max_verify=max(qs))
         graphed.prefill(prompt)
         tree = random_tree(vocab, q).to(device) if q > 1 else None
-        call = (lambda t=tree: graphed.verify_tree(prompt[0, 0], t)) if tree else (lambda: graphed.verify_chain(prompt[0, :1]))
+        call = ((lambda t=tree: graphed.verify_tree(prompt[0, 0], t)) if tree
+                else (lambda: graphed.verify_chain(prompt[0, :1])))
         kernel_breakdown(call, f"graph verify q={q}", lines, top=12)
 
     # --- the prompt --------------------------------------------------------------------------------------
@@ -211,7 +213,8 @@ def main() -> int:
         walk = median_ms(lambda t=on_device: follow_tree(t.tokens, t.parents, t.visibility, choices)[0].cpu(), 5)
         graphed.start(capacity=args.context + 1100, max_verify=budget + 1)
         graphed.prefill(prompt[:, :128])
-        path = follow_tree(on_device.tokens, on_device.parents, on_device.visibility, on_device.tokens.new_zeros(budget + 1))[0].cpu()
+        path = follow_tree(on_device.tokens, on_device.parents, on_device.visibility,
+                           on_device.tokens.new_zeros(budget + 1))[0].cpu()
         timings = []
         for _ in range(3):  # the first commit of a (width, length) runs eagerly and is captured; later ones replay
             graphed.verify_tree(prompt[0, 0], on_device)
@@ -233,7 +236,8 @@ def main() -> int:
         results = []
         for runner in (eager, graphed):
             draft = {"draft_graphs": store} if params else {}
-            engine(runner, drafter if params else None, prompt, GenerationConfig(max_new_tokens=8), params, **draft)  # warm-up
+            # warm-up
+            engine(runner, drafter if params else None, prompt, GenerationConfig(max_new_tokens=8), params, **draft)
             out = engine(runner, drafter if params else None, prompt, config, params, **draft)
             results.append(out)
         per_round = [o.decode_s / max(o.num_rounds, 1) * 1e3 for o in results]

@@ -57,7 +57,8 @@ def main() -> None:
     for run in client.search_runs([experiment.experiment_id], "tags.sweep_role = 'trial'", max_results=50):
         samples = client.get_metric_history(run.info.run_id, "gpu0_reserved_gib")
         m = run.data.metrics
-        print(f"{run.info.run_name:>9} {run.info.status:>8} {dict(run.data.params)} tok/s={m.get('tokens_per_s', 0):.1f} "
+        print(f"{run.info.run_name:>9} {run.info.status:>8} {dict(run.data.params)} "
+              f"tok/s={m.get('tokens_per_s', 0):.1f} "
               f"tau={m.get('tau', 0):.2f} peak={m.get('peak_memory_gib', 0):.2f}GiB trace_samples={len(samples)} "
               f"match={m.get('lossless_match')}")
     subprocess.call([sys.executable, "-m", "orchestrator.report", str(path), "--out", str(folder / "report")])

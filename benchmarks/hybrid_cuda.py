@@ -83,7 +83,8 @@ def correctness(config, device) -> list[str]:
     target.start(capacity=256, max_verify=8)
     chain = target.verify_chain(ids[0])
     reference = model(ids).logits[0]
-    rows.append(f"fp32 cuda: chain logits vs transformers forward, max |diff| {(chain.logits - reference).abs().max().item():.2e}"
+    rows.append("fp32 cuda: chain logits vs transformers forward, max |diff| "
+                f"{(chain.logits - reference).abs().max().item():.2e}"
                 f" (logit scale {reference.abs().max().item():.1f})")
     graphed = StaticTarget(model, drafter.spec.target_layer_ids, prefill_chunk=64, graphs=True)
     same, runs, accepted, graph_same = 0, 0, 0, 0
@@ -143,10 +144,10 @@ def costs(config, device, context: int, reps: int) -> list[str]:
     graphed = StaticTarget(model, prefill_chunk=256, graphs=True)
     prompt = torch.randint(1, config.vocab_size - 1, (1, context), device=device)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    rows = [f"bf16 model: {weights / 2**30:.2f} GiB weights, {len(target.linear_ids)} GDN + {len(target.attention_ids)} "
-            f"attention layers; prompt {context} tokens"]
-    rows.append(f"{'q':>5} {'verify ms':>10} {'graph ms':>9} {'commit ms':>10} {'graph commit':>13} {'peak extra MiB':>15} "
-                f"{'tree_state MiB':>15} {'full-state MiB':>15}")
+    rows = [f"bf16 model: {weights / 2**30:.2f} GiB weights, {len(target.linear_ids)} GDN + "
+            f"{len(target.attention_ids)} attention layers; prompt {context} tokens"]
+    rows.append(f"{'q':>5} {'verify ms':>10} {'graph ms':>9} {'commit ms':>10} {'graph commit':>13} "
+                f"{'peak extra MiB':>15} {'tree_state MiB':>15} {'full-state MiB':>15}")
     for q in (1, 2, 4, 8, 16, 32, 64, 128, 256):
         target.start(capacity=context + 300, max_verify=q)
         target.prefill(prompt)
@@ -164,7 +165,8 @@ def costs(config, device, context: int, reps: int) -> list[str]:
         verify_ms = timed(verify, reps, sync)
         graphed.start(capacity=context + 300, max_verify=q)
         graphed.prefill(prompt)
-        graph_verify = (lambda: graphed.verify_chain(prompt[0, :1])) if q == 1 else (lambda: graphed.verify_tree(prompt[0, 0], tree))
+        graph_verify = ((lambda: graphed.verify_chain(prompt[0, :1])) if q == 1
+                        else (lambda: graphed.verify_tree(prompt[0, 0], tree)))
         graph_ms = timed(graph_verify, reps, sync)
         for _ in range(3):  # the first commit of a (width, length) runs eagerly and is captured; then replays
             graph_verify()
@@ -182,7 +184,8 @@ def costs(config, device, context: int, reps: int) -> list[str]:
         target.commit(torch.tensor(kept))
         sync()
         commit_ms = (time.perf_counter() - begin) * 1e3
-        rows.append(f"{q:>5} {verify_ms:>10.2f} {graph_ms:>9.2f} {commit_ms:>10.2f} {graph_commit_ms:>13.2f} {peak / 2**20:>15.1f} "
+        rows.append(f"{q:>5} {verify_ms:>10.2f} {graph_ms:>9.2f} {commit_ms:>10.2f} {graph_commit_ms:>13.2f} "
+                    f"{peak / 2**20:>15.1f} "
                     f"{tree_state_bytes(config, q) / 2**20:>15.2f} {full_state_bytes(config, q) / 2**20:>15.1f}")
 
     from transformers import DynamicCache

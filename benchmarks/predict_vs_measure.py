@@ -48,7 +48,8 @@ def spec(method: str, prompts, max_new: int, setting: dict | None = None, **kwar
 def grid(method: str, budgets, depths, branchings, block: int) -> list[dict]:
     if method == "dflash":
         return [{"num_draft_tokens": n} for n in range(1, block)]
-    return [{"tree_budget": b, "max_depth": d, "branching": k} for b, d, k in itertools.product(budgets, depths, branchings)]
+    return [{"tree_budget": b, "max_depth": d, "branching": k}
+            for b, d, k in itertools.product(budgets, depths, branchings)]
 
 
 def main() -> None:
@@ -110,7 +111,8 @@ def main() -> None:
     order = sorted(predicted, key=lambda i: -predicted[i].tokens_per_s)
     chosen = order[: args.top] + random.Random(0).sample(order[args.top :], min(args.explore, len(order) - args.top))
     to_measure = range(len(settings)) if not args.no_grid else chosen
-    print(f"{'setting':<44} {'pred tok/s':>10} {'meas tok/s':>10} {'err':>7} {'pred tau':>8} {'meas tau':>8} {'rounds':>11}")
+    print(f"{'setting':<44} {'pred tok/s':>10} {'meas tok/s':>10} {'err':>7} {'pred tau':>8} {'meas tau':>8} "
+          f"{'rounds':>11}")
     for i in to_measure:
         result = worker.run_trial(spec(args.method, prompts, args.max_new_tokens, settings[i], baseline=False))
         if result.status != "ok":
@@ -132,7 +134,8 @@ def main() -> None:
     print(f"\nexhaustive grid : {len(measured)} trials, {grid_time:.1f} s; best {settings[grid_best]} "
           f"{measured[grid_best]:.1f} tok/s")
     print(f"predicted       : {len(strategy)} trials + replay/costs, {strategy_time:.1f} s "
-          f"({strategy_time / grid_time:.0%} of the grid); best {settings[strategy_best]} {measured[strategy_best]:.1f} tok/s "
+          f"({strategy_time / grid_time:.0%} of the grid); best {settings[strategy_best]} "
+          f"{measured[strategy_best]:.1f} tok/s "
           f"({measured[strategy_best] / measured[grid_best]:.1%} of the grid's best)")
 
 

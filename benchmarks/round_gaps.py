@@ -47,7 +47,8 @@ def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> tuple[float, float, d
     """(kernel time us, span us, {stage: [gap us...]}) from a chrome trace: each gap before a kernel
     is charged to the annotated stage that was open on the host when that kernel was launched."""
     events = trace["traceEvents"]
-    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                     key=lambda e: e["ts"])
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     stages = sorted(((e["ts"], e["ts"] + e["dur"], e["name"][6:]) for e in events
@@ -89,7 +90,8 @@ def main() -> int:
         cases = [("dflash", dflash.generate, DFlashParams())]
     else:
         cases = [("ar", ar.generate, None)]
-    lines = [f"{'case':>14} {'rounds':>6} {'wall ms/round':>13} {'kernels ms/round':>16} {'idle ms/round':>13}  idle by stage (ms/round)"]
+    lines = [f"{'case':>14} {'rounds':>6} {'wall ms/round':>13} {'kernels ms/round':>16} {'idle ms/round':>13}  "
+             "idle by stage (ms/round)"]
     for name, engine, params in cases:
         run = lambda e=engine, p=params, t=None: e(target, drafter if p else None, prompt, config, p,  # noqa: E731
                                                    **({"timer": t} if t else {}), draft_graphs=store if p else None)
@@ -110,7 +112,8 @@ def main() -> int:
                              sorted(gaps.items(), key=lambda kv: -sum(kv[1])))
         lines.append(f"{name:>14} {out.num_rounds:>6} {out.decode_s * 1e3 / out.num_rounds:>13.2f} "
                      f"{busy / 1e3 / rounds:>16.2f} {idle / 1e3 / rounds:>13.2f}  {by_stage}")
-        lines.append(f"{'':>14} (whole call {wall_ms:.1f} ms untraced; traced kernel span {span / 1e3:.1f} ms, prefill included)")
+        lines.append(f"{'':>14} (whole call {wall_ms:.1f} ms untraced; traced kernel span {span / 1e3:.1f} ms, "
+                     "prefill included)")
     print("\n".join(lines))
     return 0
 

@@ -26,8 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config, dtype = target_config(args.shape), parse_dtype(args.dtype)
     print(f"{args.shape}: {sum(t == 'linear_attention' for t in config.layer_types)} Gated DeltaNet layers, "
-          f"{config.linear_num_value_heads} value heads of {config.linear_key_head_dim}x{config.linear_value_head_dim}, "
-          f"model dtype {args.dtype}; the torch tree form gathers at most {GATHER_BYTES / 2**20:.0f} MiB per head group")
+          f"{config.linear_num_value_heads} value heads of "
+          f"{config.linear_key_head_dim}x{config.linear_value_head_dim}, "
+          f"model dtype {args.dtype}; the torch tree form gathers at most "
+          f"{GATHER_BYTES / 2**20:.0f} MiB per head group")
     print(f"{'budget':>7} {'nodes':>6} {'tree_state_bytes':>17} {'full state/node':>16} {'ratio':>7}")
     for budget in BUDGETS:
         nodes = budget + 1

@@ -50,15 +50,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
-    print(f"{torch.cuda.device_count()} GPUs: {[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}")
+    print(f"{torch.cuda.device_count()} GPUs: "
+          f"{[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}")
     with tempfile.TemporaryDirectory() as tmp:
         target_dir, drafter_dir = write_checkpoints(Path(tmp))
         worker = Worker(WorkerConfig(target=str(target_dir), drafter=str(drafter_dir), dtype=args.dtype, device="cuda",
                                      gpus=2, local_files_only=True)).load()
         target = worker.target
         print("layer devices:", [str(d) for d in target.layer_devices])
-        print("embed", target.device, "lm_head", target.lm_head.weight.device, "drafter", worker.drafter.fc.weight.device,
-              "| graphs:", target.graphs)
+        print("embed", target.device, "lm_head", target.lm_head.weight.device, "drafter",
+              worker.drafter.fc.weight.device, "| graphs:", target.graphs)
         generator = torch.Generator().manual_seed(0)
         prompts = tuple(Prompt(input_ids=tuple(torch.randint(1, 31000, (200,), generator=generator).tolist()))
                         for _ in range(3))
@@ -66,7 +67,8 @@ def main() -> int:
                      TrialSpec(DFlashParams(), prompts, max_new_tokens=64, stop_token_ids=())):
             result = worker.run_trial(spec)
             m = result.metrics
-            print(f"{spec.method.value}: status {result.status} {result.error or ''} lossless_match {m.get('lossless_match')} "
+            print(f"{spec.method.value}: status {result.status} {result.error or ''} "
+                  f"lossless_match {m.get('lossless_match')} "
                   f"tau {m.get('tau', 0):.2f} tokens/s {m.get('tokens_per_s', 0):.1f} "
                   f"peak GiB dev0 {m.get('peak_memory_gib_dev0')} dev1 {m.get('peak_memory_gib_dev1')} "
                   f"tree_state_bytes {m.get('tree_state_bytes')}")

@@ -247,7 +247,8 @@ class SweepConfig(_Strict):
         if len(set(metrics)) != len(metrics):
             raise ValueError(f"objectives: the same metric twice ({metrics})")
         if self.pruner.type != "none" and len(self.objectives) > 1:
-            raise ValueError("pruner.type: pruning needs a single objective (Optuna cannot prune multi-objective trials)")
+            raise ValueError("pruner.type: pruning needs a single objective "
+                             "(Optuna cannot prune multi-objective trials)")
         if self.sampler.predicts:
             where = "sampler.type" if self.sampler.type == "predicted" else "sampler.predict"
             if self.method == "ar":

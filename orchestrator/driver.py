@@ -192,7 +192,8 @@ class Driver:
         with self.signals.critical():
             self.study = studies.load_study(config, self.storage, self.study_name)
             self._recover()
-        self.progress.note(f"resuming study '{self.study_name}': {studies.count_complete(self.study)} of {wanted} complete")
+        self.progress.note(f"resuming study '{self.study_name}': "
+                           f"{studies.count_complete(self.study)} of {wanted} complete")
 
     def _attach_parent(self, with_params: bool = True) -> None:
         """The study's parent run; with the resolved sweep and the actors' environment as params once
@@ -264,7 +265,8 @@ class Driver:
                 self.progress.note(f"trial {trial.number}: recovered as pruned from MLflow")
             elif done is not None:
                 metrics = dict(done.data.metrics)
-                studies.tell_result(self.study, trial.number, self.config, metrics, done.data.tags.get(STATUS_TAG) == "oom")
+                studies.tell_result(self.study, trial.number, self.config, metrics,
+                                    done.data.tags.get(STATUS_TAG) == "oom")
                 self.progress.note(f"trial {trial.number}: recovered its finished result from MLflow")
             else:
                 studies.fail_and_requeue(self.study, trial.number, trial.params)
@@ -467,7 +469,8 @@ class Driver:
     def _revive(self, slot: Slot) -> None:
         """Wait for Ray's restart of the actor (models reload); a fresh actor when restarts are spent."""
         slot.state = "restarting"
-        self.progress.update(self.study, self.slots, studies.count_complete(self.study), studies.target_complete(self.config))
+        self.progress.update(self.study, self.slots, studies.count_complete(self.study),
+                             studies.target_complete(self.config))
         try:
             slot.info = ray.get(slot.handle.info.remote())
             slot.state = "idle"
@@ -544,8 +547,8 @@ class Driver:
                 self.progress.note(f"trial {trial.number}: its re-measurement failed; not a candidate")
                 continue
             params = self._run_params(trial.number, dict(trial.params) | dict(self.config.fixed_params))
-            self.tracker.log_remeasure(self.parent_id, self.study_name, studies.study_uid(self.study), trial.number, params | {"passes": passes},
-                                       metrics, round_id)
+            self.tracker.log_remeasure(self.parent_id, self.study_name, studies.study_uid(self.study), trial.number,
+                                       params | {"passes": passes}, metrics, round_id)
             final["trials"][trial.number] = metrics
         self.tracker.set_parent_tags(self.parent_id, {ROUND_TAG: round_id, "final_trials": numbers,
                                                       "final_state": "done"})

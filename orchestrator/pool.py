@@ -52,15 +52,6 @@ class GenerationActor:
     def run_trial(self, spec: TrialSpec) -> TrialResult:
         return self.worker.run_trial(spec)
 
-
-def _device_names() -> list[str]:
-    """What this actor computes on: its visible GPUs by name, else the CPU."""
-    import torch
-
-    if torch.cuda.is_available():
-        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return [f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"]
-
     # -- predictions (orchestrator.predictor) --------------------------------------------------------
     def replay_tables(self, spec: TrialSpec, top_k: int) -> list[dict[str, Any]]:
         return self.worker.replay_tables(spec, top_k)
@@ -96,6 +87,15 @@ def _device_names() -> list[str]:
         stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
+
+
+def _device_names() -> list[str]:
+    """What this actor computes on: its visible GPUs by name, else the CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return [f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"]
 
 
 def worker_config(config: SweepConfig) -> dict[str, Any]:

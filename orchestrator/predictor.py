@@ -89,7 +89,8 @@ class Predictor:
         wanted = studies.target_complete(self.config)
         explore = min(self.config.sampler.explore, max(wanted - 1, 0))
         top = scored[: wanted - explore]
-        others = random.Random(self.config.sampler.seed).sample(scored[len(top) :], min(explore, len(scored) - len(top)))
+        others = random.Random(self.config.sampler.seed).sample(scored[len(top) :],
+                                                                min(explore, len(scored) - len(top)))
         return [{"params": p, "role": "top", **self.predict(p)} for p in top] + [
             {"params": p, "role": "explore", **self.predict(p)} for p in others
         ]

@@ -290,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    more, skipped = write_optuna_plots(optuna.load_study(study_name=study_name, storage=config.storage), out, objectives)
+    more, skipped = write_optuna_plots(optuna.load_study(study_name=study_name, storage=config.storage), out,
+                                       objectives)
     written += more
 
     console = Console()

@@ -152,7 +152,8 @@ def make_sampler(config: SweepConfig) -> optuna.samplers.BaseSampler:
 def make_pruner(config: SweepConfig) -> optuna.pruners.BasePruner:
     pruner = config.pruner
     if pruner.type == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=pruner.n_startup_trials, n_warmup_steps=pruner.n_warmup_steps)
+        return optuna.pruners.MedianPruner(n_startup_trials=pruner.n_startup_trials,
+                                           n_warmup_steps=pruner.n_warmup_steps)
     if pruner.type == "percentile":
         return optuna.pruners.PercentilePruner(pruner.percentile, n_startup_trials=pruner.n_startup_trials,
                                                n_warmup_steps=pruner.n_warmup_steps)
@@ -207,7 +208,8 @@ def create_study(config: SweepConfig, storage, name: str) -> optuna.Study:
 
 
 def load_study(config: SweepConfig, storage, name: str) -> optuna.Study:
-    study = optuna.load_study(study_name=name, storage=storage, sampler=make_sampler(config), pruner=make_pruner(config))
+    study = optuna.load_study(study_name=name, storage=storage, sampler=make_sampler(config),
+                              pruner=make_pruner(config))
     if UID_ATTR not in study.user_attrs:  # made by an older version of the driver
         study.set_user_attr(UID_ATTR, uuid.uuid4().hex)
     name_objectives(study, config)
@@ -433,7 +435,8 @@ def running_trial(study: optuna.Study, trial_number: int) -> Trial:
     return Trial(study, study._storage.get_trial_id_from_study_id_trial_number(study._study_id, trial_number))
 
 
-def tell_result(study: optuna.Study, trial_number: int, config: SweepConfig, metrics: dict[str, Any], oom: bool) -> None:
+def tell_result(study: optuna.Study, trial_number: int, config: SweepConfig, metrics: dict[str, Any],
+                oom: bool) -> None:
     """COMPLETE with objective values and constraints (an OOM is an infeasible result, not a FAIL).
 
     Raises ``optuna.exceptions.UpdateFinishedTrialError`` when the trial is no longer RUNNING.

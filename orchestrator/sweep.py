@@ -80,7 +80,8 @@ def plan_text(config, path: Path, new_study: bool = False) -> str:
         + f" (limit {config.prompts.limit}, seed {config.prompts.seed}, {config.prompts.max_new_tokens} new tokens, "
         + ("chat template" if config.prompts.chat_template else "raw text")
         + (", thinking on)" if config.prompts.enable_thinking else ")"),
-        f"sampler    {config.sampler.type} (seed {config.sampler.seed}); {target_complete(config)} complete trials wanted"
+        f"sampler    {config.sampler.type} (seed {config.sampler.seed}); "
+        f"{target_complete(config)} complete trials wanted"
         + (f"; the predicted best and {config.sampler.explore} explored" if config.sampler.type == "predicted" else "")
         + ("; predictions logged" if config.sampler.predict else ""),
     ]

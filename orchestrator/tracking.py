@@ -141,7 +141,8 @@ class Tracker:
         from orchestrator.study import hide_password
 
         self.tracking_uri = tracking_uri
-        self.shown_uri = hide_password(tracking_uri) if not tracking_uri.startswith(("sqlite", "http")) else tracking_uri
+        self.shown_uri = (hide_password(tracking_uri) if not tracking_uri.startswith(("sqlite", "http"))
+                          else tracking_uri)
         self.experiment_name = experiment
         # Opening a new SQLite / database store creates its tables, and two processes doing it at
         # once fail ('table ... already exists'): one at a time, and the experiment under the same lock.
@@ -433,7 +434,8 @@ def _plot_trace(trace: MemoryTrace, path: Path) -> None:
     for device in trace.devices if trace.kind != KIND_RSS else ():
         points = [s for s in trace.samples if s.device == device]
         ax.plot([s.t_s for s in points], [s.reserved_bytes / 2**30 for s in points], label=f"gpu{device} reserved")
-        ax.plot([s.t_s for s in points], [s.allocated_bytes / 2**30 for s in points], "--", label=f"gpu{device} allocated")
+        ax.plot([s.t_s for s in points], [s.allocated_bytes / 2**30 for s in points], "--",
+                label=f"gpu{device} allocated")
     if not trace.devices:
         ax.text(0.5, 0.5, trace.note or "no GPU samples", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("seconds into the trial")
@@ -513,7 +515,8 @@ def environment_params(actor_infos: list[dict[str, Any]]) -> dict[str, Any]:
         env["env.git_commit"] = "unknown"
     devices = sorted({name for info in actor_infos for name in info.get("devices") or []})
     env["env.devices"] = ", ".join(devices) or "unknown"
-    env["env.hosts"] = ", ".join(sorted({str(info.get("host")) for info in actor_infos if info.get("host")})) or "unknown"
+    env["env.hosts"] = (", ".join(sorted({str(info.get("host")) for info in actor_infos if info.get("host")}))
+                        or "unknown")
     return env
 
 

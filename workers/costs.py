@@ -8,7 +8,8 @@ remainder (sampling, the walk, the host read) calibrated from one real engine ru
 rounds are known. ``predict`` combines the table with ``workers.decoding.replay`` round lengths.
 
 Each piece is timed with a synchronise after every call (a round reads the host once, so its pieces
-do not overlap much); the fastest of a few repeats, since other load on the machine only adds time. Widths and budgets between measured anchors are
+do not overlap much); the fastest of a few repeats, since other load on the machine only adds time. Widths and
+budgets between measured anchors are
 interpolated linearly.
 """
 
@@ -37,7 +38,8 @@ TREE_BUDGET_ANCHORS = 6
 
 def tree_params(setting: dict[str, Any], block_size: int) -> TreeParams:
     depth = setting.get("max_depth")
-    return TreeParams(int(setting["tree_budget"]), block_size - 1 if depth is None else int(depth), setting.get("branching"))
+    return TreeParams(int(setting["tree_budget"]), block_size - 1 if depth is None else int(depth),
+                      setting.get("branching"))
 
 
 def chain_length(setting: dict[str, Any], block_size: int) -> int:
@@ -147,7 +149,8 @@ class Prediction:
     decode_s: float
 
 
-def round_lengths(table: ReplayTable, method: str, setting: dict[str, Any], block_size: int, ceiling: int | None = None):
+def round_lengths(table: ReplayTable, method: str, setting: dict[str, Any], block_size: int,
+                  ceiling: int | None = None):
     if method == "ddtree":
         return ddtree_lengths(table, tree_params(setting, block_size), block_size, ceiling)
     if method == "dflash":

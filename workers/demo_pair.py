@@ -34,7 +34,8 @@ from pathlib import Path
 RECIPE_VERSION = 1  # bump when the code below changes what a recipe produces
 EOS, MASK = "<|endoftext|>", "<|mask|>"
 # stdlib modules never trained on; the held-out prompts come from them (all exist in Python 3.9+)
-HELD_OUT = ("textwrap.py", "shlex.py", "fractions.py", "calendar.py", "difflib.py", "heapq.py", "bisect.py", "string.py")
+HELD_OUT = ("textwrap.py", "shlex.py", "fractions.py", "calendar.py", "difflib.py", "heapq.py", "bisect.py",
+            "string.py")
 SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__", "turtledemo"}
 
 
@@ -220,7 +221,8 @@ def build(folder: Path, recipe: DemoRecipe, stdlib: Path | None = None, device: 
 
     train_files, held_files = stdlib_files(stdlib)
     if not train_files or not held_files:
-        raise SystemExit(f"workers.demo_pair: no standard-library sources under {stdlib or sysconfig.get_paths()['stdlib']}")
+        raise SystemExit("workers.demo_pair: no standard-library sources under "
+                         f"{stdlib or sysconfig.get_paths()['stdlib']}")
     work = folder.with_name(folder.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)

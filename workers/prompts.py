@@ -149,7 +149,8 @@ def _hub_records(source: PromptSource, benchmark: Benchmark) -> list[dict[str, A
     except Exception as exc:  # no network, unknown split, missing package: one line for the user
         raise BadInputError(
             f"prompts.dataset: cannot load '{source.dataset}' ({benchmark.hub_id}, split "
-            f"{source.split or benchmark.split}) from the hub: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            f"{source.split or benchmark.split}) from the hub: "
+            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
             " (offline: give prompts.path to a local copy of the dataset)"
         ) from exc
     return [dict(record) for record in data]

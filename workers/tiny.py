@@ -1,7 +1,8 @@
 """Small random models the project makes itself, for tests, the offline demo and CPU benchmarks.
 
 ``write_tiny_pair(folder)`` writes a target (``folder/target``, transformers layout: Qwen3 by default,
-or a Qwen3.5 / Qwen3-Next hybrid with ``TinyShape(arch=...)``) and a DFlash drafter for it (``folder/drafter``, z-lab layout). Weights are random but scaled up so logits
+or a Qwen3.5 / Qwen3-Next hybrid with ``TinyShape(arch=...)``) and a DFlash drafter for it (``folder/drafter``,
+z-lab layout). Weights are random but scaled up so logits
 are well separated: greedy ties, which would make float32 exactness tests flaky, are then rare.
 """
 
@@ -51,7 +52,8 @@ def tiny_target_config(shape: TinyShape) -> dict:
     }
     if shape.arch == "qwen3_5":
         return config | hybrid | {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text"}
-    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+           "shared_expert_intermediate_size": 32}
     return config | hybrid | moe | {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next"}
 
 
@@ -97,7 +99,8 @@ def write_tiny_pair(folder: Path, shape: TinyShape = TinyShape(), seed: int = 0)
     torch.manual_seed(seed)
     target_dir, drafter_dir = folder / "target", folder / "drafter"
     raw_target = tiny_target_config(shape)
-    config = AutoConfig.for_model(raw_target["model_type"], **{k: v for k, v in raw_target.items() if k != "model_type"})
+    config = AutoConfig.for_model(raw_target["model_type"],
+                                  **{k: v for k, v in raw_target.items() if k != "model_type"})
     target = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _spread(target, shape.init_std)
     target.save_pretrained(target_dir)
@@ -194,8 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folder", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--distill-steps", type=int, default=600, help="drafter training steps (0: random drafter)")
-    parser.add_argument("--distill-sequences", type=int, default=32, help="target continuations the drafter learns from")
-    parser.add_argument("--arch", choices=ARCHES, default="qwen3", help="target architecture (hybrids: qwen3_5, qwen3_next)")
+    parser.add_argument("--distill-sequences", type=int, default=32,
+                        help="target continuations the drafter learns from")
+    parser.add_argument("--arch", choices=ARCHES, default="qwen3",
+                        help="target architecture (hybrids: qwen3_5, qwen3_next)")
     args = parser.parse_args(argv)
     target_dir, drafter_dir = write_tiny_pair(args.folder, TinyShape(arch=args.arch), seed=args.seed)
     if args.distill_steps:
@@ -220,7 +225,8 @@ def _distill_with_progress(target_dir: Path, drafter_dir: Path, steps: int, sequ
     )
 
     console = Console(file=sys.stderr)
-    console.print(f"training the tiny drafter on the tiny target's own text ({steps} steps on CPU) ...", highlight=False)
+    console.print(f"training the tiny drafter on the tiny target's own text ({steps} steps on CPU) ...",
+                  highlight=False)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("left"), TimeRemainingColumn())
     with Progress(*columns, console=console) as bar:

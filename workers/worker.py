@@ -269,8 +269,8 @@ class Worker:
     def _baseline(self, spec: TrialSpec, prompts: list[torch.Tensor], gen: GenerationConfig) -> list[GenerationOutput]:
         """AR on the same prompts and settings, measured once per worker and reused."""
         key = hashlib.sha256(
-            json.dumps([[p.tolist() for p in prompts], gen.max_new_tokens, gen.temperature, gen.stop_token_ids, gen.seed,
-                        spec.stage_timing, spec.repeats]).encode()
+            json.dumps([[p.tolist() for p in prompts], gen.max_new_tokens, gen.temperature, gen.stop_token_ids,
+                        gen.seed, spec.stage_timing, spec.repeats]).encode()
         ).hexdigest()
         if key not in self._baselines:  # timed as the method is: with stage timing only if it has it
             ar_spec = TrialSpec(ARParams(), spec.prompts, stage_timing=spec.stage_timing, warmup=spec.warmup,

@@ -140,7 +140,8 @@ def test_relative_paths_resolve_against_the_cwd(tiny_dir, tmp_path, monkeypatch)
 def test_relative_paths_resolve_against_base(tiny_dir, tmp_path, workdir):
     root = (tmp_path / "elsewhere").resolve()
     _relative_layout(root)
-    config_dict = _relative_sweep(tmp_path, tiny_dir, target={"model": "models/target"}, drafter={"model": "models/drafter"})
+    config_dict = _relative_sweep(tmp_path, tiny_dir, target={"model": "models/target"},
+                                  drafter={"model": "models/drafter"})
     path = write_sweep(tmp_path / "sweep.yaml", config_dict)
 
     config = load_sweep(path, base=root)
@@ -299,7 +300,8 @@ CASES = [
     # wrong types / values
     Case("n_trials-not-int", put("n_trials", value="ten"), ("n_trials:", "valid integer")),
     Case("workers.count-negative", put("workers", "count", value=-1), ("workers.count:", "greater than or equal to 1")),
-    Case("temperature-negative", put("generation", "temperature", value=-0.5), ("generation.temperature:", "greater than or equal to 0")),
+    Case("temperature-negative", put("generation", "temperature", value=-0.5),
+         ("generation.temperature:", "greater than or equal to 0")),
     # unknown keys and names
     Case("unknown-top-level-key", put("bogus", value=1), ("bogus: unknown field",)),
     Case("unknown-nested-key", put("workers", "gpus", value=1), ("workers.gpus: unknown field",)),
@@ -365,7 +367,8 @@ CASES = [
          ("mlflow.tracking_uri:", "not supported", "file:///tmp/x")),
 ]
 BY_ID = {case.id: case for case in CASES}
-STORE_CASES = [BY_ID[i] for i in ("storage-unreachable", "storage-sqlite-parent-is-a-file", "tracking-http-closed-port", "tracking-file-uri")]
+STORE_CASES = [BY_ID[i] for i in ("storage-unreachable", "storage-sqlite-parent-is-a-file", "tracking-http-closed-port",
+                                  "tracking-file-uri")]
 
 
 def _check_message(message: str, case: Case) -> None:

@@ -66,7 +66,8 @@ def test_sweep_on_postgresql_storage_resumes(tiny_dir, tmp_path, postgres_url):
     more = write_sweep(tmp_path / "more.yaml", sweep_dict(tiny_dir, runs, n_trials=2, storage=postgres_url))
     proc = run_sweep(more)  # the same study, resumed from PostgreSQL
     assert proc.returncode == 0, proc.stderr[-3000:]
-    study = optuna.load_study(study_name="test-sweep", storage=postgres_url.replace("postgresql:", "postgresql+psycopg2:"))
+    study = optuna.load_study(study_name="test-sweep",
+                              storage=postgres_url.replace("postgresql:", "postgresql+psycopg2:"))
     assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.COMPLETE]
     assert not (runs / "optuna.db").exists()
 

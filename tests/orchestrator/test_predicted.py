@@ -72,7 +72,8 @@ def test_predicted_sweep_runs_the_predicted_best_and_logs_predicted_vs_measured(
     assert [entry["role"] for entry in plan] == ["top", "top", "top", "explore"]
     assert sorted(t.user_attrs["plan_role"] for t in study.trials) == ["explore", "top", "top", "top"]
     top_predicted = [entry["predicted_tokens_per_s"] for entry in plan[:3]]
-    assert top_predicted == sorted(top_predicted, reverse=True) and plan[3]["predicted_tokens_per_s"] <= top_predicted[-1]
+    assert (top_predicted == sorted(top_predicted, reverse=True)
+            and plan[3]["predicted_tokens_per_s"] <= top_predicted[-1])
 
     client = MlflowClient(f"sqlite:///{runs}/mlflow.db")
     children = _children(client)
@@ -86,7 +87,8 @@ def test_predicted_sweep_runs_the_predicted_best_and_logs_predicted_vs_measured(
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)} | {
         a.path for a in client.list_artifacts(parent.info.run_id, "costs")}
     assert {"costs/actor-0.json", "predicted_plan.json"} <= artifacts
-    costs = json.loads(Path(client.download_artifacts(parent.info.run_id, "costs/actor-0.json", str(tmp_path))).read_text())
+    costs = json.loads(Path(client.download_artifacts(parent.info.run_id, "costs/actor-0.json",
+                                                      str(tmp_path))).read_text())
     assert set(costs["verify_s"]) >= {"1", "2", "17"} and set(costs["overhead_s"]) == {"ddtree"}
     assert parent.data.tags["costs.actor0.device"] == "cpu"
 
@@ -97,7 +99,8 @@ def test_predicted_sweep_runs_the_predicted_best_and_logs_predicted_vs_measured(
 
     assert report_main([str(sweep), "--out", str(tmp_path / "report")]) == 0
     out = capsys.readouterr().out
-    assert "predicted vs measured tokens/s over 4 trials" in out and "predicted vs measured tau: mean error 0.00%" in out
+    assert ("predicted vs measured tokens/s over 4 trials" in out
+            and "predicted vs measured tau: mean error 0.00%" in out)
 
 
 def _first_prompt_tau(small_dir: Path, budget: int) -> float:

@@ -75,7 +75,8 @@ def test_child_runs_carry_identity_and_meaningful_columns(recorded):
         m = run.data.metrics
         assert m["tokens_per_s_median"] > 0 and m["tokens_per_s_iqr"] >= 0 and m["baseline_tokens_per_s"] > 0
         # The acceptance histogram: the step metric is the chart, the scalar columns sum to one.
-        histogram = json.loads(Path(client.download_artifacts(run.info.run_id, "acceptance_histogram.json")).read_text())
+        histogram = json.loads(Path(client.download_artifacts(run.info.run_id,
+                                                              "acceptance_histogram.json")).read_text())
         history = client.get_metric_history(run.info.run_id, "acceptance_rounds_by_length")
         assert {str(h.step): int(h.value) for h in history} == histogram
         shares = {k: v for k, v in m.items() if k.startswith("accept_share_len")}

@@ -79,7 +79,8 @@ def test_sweep_completes_and_logs_everything(tiny_dir, tmp_path):
 
     again = run_sweep(sweep)  # the same command once more: nothing left to do, nothing duplicated
     assert again.returncode == 0, again.stderr[-3000:]
-    assert len(optuna.load_study(study_name="test-sweep", storage=f"sqlite:///{runs}/optuna.db").trials) == len(study.trials)
+    assert (len(optuna.load_study(study_name="test-sweep", storage=f"sqlite:///{runs}/optuna.db").trials)
+            == len(study.trials))
     assert_consistent(runs, 3)
 
 

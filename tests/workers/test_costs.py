@@ -19,7 +19,8 @@ from workers.decoding.tree import TreeParams
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-SETTINGS = [{"tree_budget": b, "max_depth": d, "branching": k} for b in (2, 8, 32) for d in (2, None) for k in (2, None)]
+SETTINGS = [{"tree_budget": b, "max_depth": d, "branching": k}
+            for b in (2, 8, 32) for d in (2, None) for k in (2, None)]
 
 
 @pytest.fixture(scope="module")

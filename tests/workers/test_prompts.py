@@ -97,7 +97,8 @@ RECORDS = {
     "humaneval": [{"task_id": "t/0", "prompt": "def f():\n    pass"}],
     "mbpp": [{"prompt": "Write f.", "task_id": 1}],
     "mt-bench": [{"prompt": ["first turn", "second turn"], "category": "writing"}],
-    "alpaca": [{"instruction": "Do x.", "input": "", "output": "y"}, {"instruction": "Do z.", "input": "data", "output": "w"}],
+    "alpaca": [{"instruction": "Do x.", "input": "", "output": "y"},
+               {"instruction": "Do z.", "input": "data", "output": "w"}],
 }
 
 

@@ -19,7 +19,8 @@ def worker(tiny) -> Worker:
 
 def _prompts(count: int = 3, seed: int = 0) -> tuple[Prompt, ...]:
     generator = torch.Generator().manual_seed(seed)
-    return tuple(Prompt(input_ids=tuple(torch.randint(1, 32, (9,), generator=generator).tolist())) for _ in range(count))
+    return tuple(Prompt(input_ids=tuple(torch.randint(1, 32, (9,), generator=generator).tolist()))
+                 for _ in range(count))
 
 
 def _spec(method: Method, fault: str | None = None, stage_timing: bool = False, repeats: int = 1,

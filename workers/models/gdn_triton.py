@@ -143,7 +143,8 @@ def _gated_norm_kernel(O, Z, W, OUT, z_stride, eps, HEADS: tl.constexpr, D: tl.c
     tl.store(OUT + (t * HEADS + h) * D + d, (y * z * tl.sigmoid(z)).to(dtype))
 
 
-def gated_norm(out: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+def gated_norm(out: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+               dtype: torch.dtype) -> torch.Tensor:
     """out [q, H, D] float32, z [q, H*D] (rows may be strided) -> [q, H*D] in ``dtype``."""
     nodes, heads, head_dim = out.shape
     result = torch.empty(nodes, heads * head_dim, dtype=dtype, device=out.device)
@@ -152,8 +153,8 @@ def gated_norm(out: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: fl
 
 
 @triton.jit
-def _chain_state_kernel(K, V, G, BETA, S, count: tl.constexpr, HEADS: tl.constexpr, REPEAT: tl.constexpr, DK: tl.constexpr,
-                        DV: tl.constexpr, BV: tl.constexpr):
+def _chain_state_kernel(K, V, G, BETA, S, count: tl.constexpr, HEADS: tl.constexpr, REPEAT: tl.constexpr,
+                        DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
     """Program (value head h, block of value columns): the recurrent delta rule over ``count`` tokens with
     the state block [DK, BV] in registers, read once and written back in place. (``count`` is a
     compile-time constant: a commit's path length, one variant per length, as the commit graphs are.)"""

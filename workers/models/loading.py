@@ -333,7 +333,8 @@ def load_drafter(
     for key, value in weights.items():
         if tuple(value.shape) != tuple(own[key].shape):
             raise CheckpointMismatchError(
-                f"{folder}/{WEIGHTS_FILE}: weight '{key}' has shape {tuple(value.shape)}, config.json implies {tuple(own[key].shape)}"
+                f"{folder}/{WEIGHTS_FILE}: weight '{key}' has shape {tuple(value.shape)}, "
+                f"config.json implies {tuple(own[key].shape)}"
             )
     drafter.load_state_dict(weights, strict=False)  # rotary buffers are computed, not stored
     lm_head = target.get_output_embeddings().weight

@@ -57,7 +57,8 @@ class PlacementPlan:
             span = f"{layers[0]}..{layers[-1]}" if layers else "-"
             extra = " + lm_head + drafter" if gpu == self.drafter_gpu else ""
             rows.append(f"{gpu:>4} {size / GiB:>7.1f}Gi {self.weight_bytes[gpu] / GiB:>7.1f}Gi "
-                        f"{self.reserve_bytes[gpu] / GiB:>7.1f}Gi {self.free_bytes()[gpu] / GiB:>7.1f}Gi  {span}{extra}")
+                        f"{self.reserve_bytes[gpu] / GiB:>7.1f}Gi {self.free_bytes()[gpu] / GiB:>7.1f}Gi  "
+                        f"{span}{extra}")
         return "\n".join(rows)
 
 
@@ -69,9 +70,11 @@ def layer_state_bytes(config, layer_type: str, budget: RunBudget, dtype: torch.d
         from workers.models.deltanet import tree_state_bytes
 
         layers = sum(kind == "linear_attention" for kind in cfg.layer_types)
-        conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        conv_dim = (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
+                    + cfg.linear_num_value_heads * cfg.linear_value_head_dim)
         state = 4 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
-        return state + element * conv_dim * cfg.linear_conv_kernel_dim + tree_state_bytes(cfg, budget.max_verify, dtype) // layers
+        return (state + element * conv_dim * cfg.linear_conv_kernel_dim
+                + tree_state_bytes(cfg, budget.max_verify, dtype) // layers)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return 2 * cfg.num_key_value_heads * head_dim * budget.max_tokens * element
 
@@ -108,7 +111,8 @@ def plan_split(
     last_extra = drafter_bytes + head_bytes(config, budget, dtype)
 
     # usable bytes for weights per GPU: size minus fixed, an even share of layer state, and (last) the head
-    usable = [size - FIXED_BYTES - sum(state) // count - (last_extra if gpu == last else 0) for gpu, size in enumerate(gpu_bytes)]
+    usable = [size - FIXED_BYTES - sum(state) // count - (last_extra if gpu == last else 0)
+              for gpu, size in enumerate(gpu_bytes)]
     if weight_cap is not None:
         usable = [min(u, weight_cap) for u in usable]
     weights = sizes[""]

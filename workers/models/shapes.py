@@ -112,7 +112,8 @@ def build_random_drafter(name: str, target):
     from workers.models.drafter import DFlashDrafter, DrafterSpec
 
     spec = DrafterSpec.from_dict(drafter_config(name), source=f"random:{name}")
-    spec.check_fits(target.config, embedding_rows=target.get_input_embeddings().weight.shape[0], source=f"random:{name}")
+    spec.check_fits(target.config, embedding_rows=target.get_input_embeddings().weight.shape[0],
+                    source=f"random:{name}")
     lm_head = target.get_output_embeddings().weight
     with torch.device(lm_head.device):
         drafter = DFlashDrafter(spec)

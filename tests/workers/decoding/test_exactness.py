@@ -2,7 +2,8 @@
 
 Float32 on CPU with the tiny random checkpoints from ``conftest``: Qwen3 targets (vocab 32 / block 8,
 and vocab 6 / block 6 where drafts are accepted often) and the hybrids (Qwen3.5 at vocab 6 / block 6,
-Qwen3-Next with MoE at vocab 32 / block 8), whose Gated DeltaNet state must fork per tree node. Every run also goes through ``check_run``, which checks
+Qwen3-Next with MoE at vocab 32 / block 8), whose Gated DeltaNet state must fork per tree node. Every run also goes
+through ``check_run``, which checks
 the bookkeeping every engine shares (round lengths within their bound, the bonus counted, only the
 last round cut short by a stop or the token limit). Runs are logged in ``RUN_LOG`` so the last
 test can show the sweep was not vacuous (multi-token rounds really were accepted). Every greedy
@@ -27,7 +28,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # attention-only Qwen3 targets, then hybrids (Qwen3.5 and Qwen3-Next: Gated DeltaNet + attention)
 FIXTURES = ("tiny", "tiny_small_vocab", "tiny_hybrid", "tiny_next")
-BLOCK = {"tiny": 8, "tiny_small_vocab": 6, "tiny_hybrid": 6, "tiny_next": 8}  # must match conftest (checked in models())
+# must match conftest (checked in models())
+BLOCK = {"tiny": 8, "tiny_small_vocab": 6, "tiny_hybrid": 6, "tiny_next": 8}
 VOCAB = {"tiny": 32, "tiny_small_vocab": 6, "tiny_hybrid": 6, "tiny_next": 32}
 ATTENTION_FIXTURES = ("tiny", "tiny_small_vocab")
 
@@ -129,15 +131,17 @@ def run(
     return out
 
 
-def replayed_lengths(tiny, fixture: str, prompt: torch.Tensor, config: GenerationConfig, engine: str, params) -> list[int]:
+def replayed_lengths(tiny, fixture: str, prompt: torch.Tensor, config: GenerationConfig, engine: str,
+                     params) -> list[int]:
     """The acceptance lengths the replay predicts for this run (one table per prompt and config)."""
     key = (fixture, tuple(prompt[0].tolist()), config.max_new_tokens, config.stop_token_ids)
     if key not in _REPLAY:
         greedy = GenerationConfig(config.max_new_tokens, 0.0, config.stop_token_ids)
         _REPLAY[key] = replay.record(tiny.target, tiny.drafter, prompt, greedy, top_k=REPLAY_CEILING)
     if engine == "dflash":
-        return replay.dflash_lengths(_REPLAY[key], params.resolve(tiny.shape.block_size))
-    return replay.ddtree_lengths(_REPLAY[key], params, tiny.shape.block_size, ceiling=max(REPLAY_CEILING, params.budget))
+        return replay.dflash_lengths(_REPLAY[key], params.resolved(tiny.shape.block_size).num_draft_tokens)
+    return replay.ddtree_lengths(_REPLAY[key], params, tiny.shape.block_size,
+                                 ceiling=max(REPLAY_CEILING, params.budget))
 
 
 def check_run(

@@ -33,7 +33,7 @@ SAMPLED_PROMPTS = 16
 
 def _predicted(table, engine: str, params, block: int) -> list[int]:
     if engine == "dflash":
-        return replay.dflash_lengths(table, params.resolve(block))
+        return replay.dflash_lengths(table, params.resolved(block).num_draft_tokens)
     return replay.ddtree_lengths(table, params, block, ceiling=CEILING)
 
 

@@ -159,7 +159,8 @@ def test_tree_conv_from_an_empty_window_zero_pads_like_the_first_tokens() -> Non
 
 def test_chain_conv_equals_the_tree_conv_of_a_chain() -> None:
     g = torch.Generator().manual_seed(11)
-    inputs, committed, weight = torch.randn(9, 5, generator=g), torch.randn(3, 5, generator=g), torch.randn(5, 4, generator=g)
+    inputs, committed, weight = (torch.randn(9, 5, generator=g), torch.randn(3, 5, generator=g),
+                                 torch.randn(5, 4, generator=g))
     bias = torch.randn(5, generator=g)
     want, want_ext = tree_conv(inputs, committed, weight, bias, conv_lag_index(torch.arange(-1, 8), 3))
     got, got_ext = chain_conv(inputs, committed, weight, bias)

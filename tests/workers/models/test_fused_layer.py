@@ -59,7 +59,8 @@ def test_tree_nodes_and_commits_match_the_plain_forward(model_type, seed):
     assert all(isinstance(f, FusedLayer) for f in target.fused.values()) and len(target.fused) == 3
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, VOCAB, (9 + seed,), generator=generator).tolist()
-    tree = build_tree(torch.log_softmax(torch.randn(4, VOCAB, generator=generator) * 2, -1), TreeParams(8 + 4 * seed, max_depth=4))
+    tree = build_tree(torch.log_softmax(torch.randn(4, VOCAB, generator=generator) * 2, -1),
+                      TreeParams(8 + 4 * seed, max_depth=4))
     target.start(capacity=64, max_verify=32)
     with torch.no_grad():
         target.prefill(torch.tensor([prompt]))
@@ -129,7 +130,8 @@ def test_both_attention_branches_agree(monkeypatch, rows):
 def test_grouped_attention_equals_attention_with_repeated_heads(length):
     """Folding 4 query heads per K/V head into rows = repeating each K/V head 4 times (transformers' way)."""
     generator = torch.Generator().manual_seed(length)
-    query, key, value = torch.randn(1, 8, length, 16, generator=generator), *torch.randn(2, 1, 2, 10, 16, generator=generator)
+    query, key, value = (torch.randn(1, 8, length, 16, generator=generator),
+                         *torch.randn(2, 1, 2, 10, 16, generator=generator))
     mask = torch.zeros(1, 1, length, 10)
     mask[..., -1] = torch.finfo(torch.float32).min
     repeated_key, repeated_value = key.repeat_interleave(4, dim=1), value.repeat_interleave(4, dim=1)

@@ -20,7 +20,8 @@ from workers.seam import check_supported
 def test_hybrids_with_layers_we_cannot_fork_are_refused_by_name(model_type):
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model(model_type, num_hidden_layers=2, layer_types=["linear_attention", "sliding_attention"])
+    config = AutoConfig.for_model(model_type, num_hidden_layers=2,
+                                  layer_types=["linear_attention", "sliding_attention"])
     with pytest.raises(UnsupportedModelError, match=f"'{model_type}' with layer types .*sliding_attention"):
         check_supported(config)
     check_supported(AutoConfig.for_model(model_type))  # the default hybrid layout is supported
