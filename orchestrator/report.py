@@ -88,16 +88,19 @@ def trials_from_mlflow(tracking_uri: str, experiment: str, study: str, study_uid
     return frame.sort_values("trial").reset_index(drop=True) if rows else frame
 
 
-def remeasured_from_mlflow(tracking_uri: str, experiment: str, study: str) -> pd.DataFrame:
-    """One row per setting of the study's latest final re-measurement (empty when there was none)."""
-    from mlflow.tracking import MlflowClient
+def remeasured_from_mlflow(tracking_uri: str, experiment: str, study: str,
+                           study_uid: str | None = None) -> pd.DataFrame:
+    """One row per setting of the study's latest final re-measurement (empty when there was none).
 
-    client = MlflowClient(tracking_uri=tracking_uri)
-    found = client.get_experiment_by_name(experiment)
+    Only reads, as ``trials_from_mlflow``; with ``study_uid`` only that very study's runs count."""
+    from orchestrator.tracking import read_only_client
+
+    client = read_only_client(tracking_uri)
+    found = client.get_experiment_by_name(experiment) if client is not None else None
     if found is None:
         return pd.DataFrame()
-    runs = client.search_runs([found.experiment_id],
-                              f"tags.sweep_study = '{study}' and tags.sweep_role = 'remeasure'", max_results=50_000)
+    which = f"tags.sweep_study_uid = '{study_uid}'" if study_uid else f"tags.sweep_study = '{study}'"
+    runs = client.search_runs([found.experiment_id], f"{which} and tags.sweep_role = 'remeasure'", max_results=50_000)
     if not runs:
         return pd.DataFrame()
     latest = max(int(run.data.tags.get("final_round", "0")) for run in runs)
@@ -283,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or report_dir(study_name)
     out.mkdir(parents=True, exist_ok=True)
     frame.to_csv(out / "trials.csv", index=False)
-    remeasured = remeasured_from_mlflow(config.mlflow.tracking_uri, config.mlflow.experiment, study_name)
+    remeasured = remeasured_from_mlflow(config.mlflow.tracking_uri, config.mlflow.experiment, study_name, study_uid)
     if not remeasured.empty:
         remeasured.to_csv(out / "remeasured.csv", index=False)
     written = write_plots(frame, out, objectives)
