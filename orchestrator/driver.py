@@ -392,6 +392,9 @@ class Driver:
         try:
             studies.tell_result(self.study, job.trial_number, self.config, result.metrics, oom=oom)
         except UpdateFinishedTrialError:
+            # closed between the run's status check and our FINISHED (MLflow has no compare-and-set):
+            # the run goes back to KILLED, so a FINISHED child run still means a COMPLETE trial
+            self.tracker.unfinish(job.run_id, "the trial was closed by someone else while this driver logged it")
             self._not_ours(job)
             return
         self.failures_in_a_row = 0

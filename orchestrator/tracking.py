@@ -343,6 +343,13 @@ class Tracker:
         return True
 
     @_store_call
+    def unfinish(self, run_id: str, reason: str) -> None:
+        """A run this driver just FINISHED whose trial turned out to be closed by someone else: KILLED."""
+        self.client.set_tag(run_id, STATUS_TAG, "killed")
+        self.client.set_tag(run_id, "killed_reason", reason)
+        self.client.set_terminated(run_id, "KILLED")
+
+    @_store_call
     def fail(self, run_id: str, error: str) -> bool:
         if self.status(run_id) != "RUNNING":
             return False
