@@ -27,8 +27,9 @@ A target split over several GPUs (accelerate ``device_map``) runs in segments, a
 one device each: eagerly the hidden state moves to each layer's device and taps are gathered onto
 the drafter's device; with ``graphs=True`` (every part on CUDA) a verify pass is one graph per
 segment, the hidden state and the pass's shared inputs handed to the next segment between replays
-(``segment_starts`` forces more segments, e.g. two on one GPU to test this); such a split target
-commits eagerly and runs its prompt eagerly.
+(``segment_starts`` forces more segments, e.g. two on one GPU to test this); its full prompt chunks
+replay segment graphs the same way, and its commit is one graph per device, the accepted path handed
+to each device's copy of the commit inputs first.
 """
 
 from __future__ import annotations
@@ -80,10 +81,12 @@ class _KVBuffers:
         self.values[layer_idx].index_copy_(2, slots, values)
         return self.keys[layer_idx][:, :, : self.attend], self.values[layer_idx][:, :, : self.attend]
 
-    def move(self, source: torch.Tensor, destination: torch.Tensor) -> None:
-        """Copy the K/V of slots ``source`` to slots ``destination`` in every layer."""
+    def move_on(self, device: torch.device, source: torch.Tensor, destination: torch.Tensor) -> None:
+        """Copy the K/V of slots ``source`` to slots ``destination`` (both on ``device``) in every
+        attention layer on ``device``."""
         for stack in self.stacks:
-            stack.index_copy_(4, destination.to(stack.device), stack.index_select(4, source.to(stack.device)))
+            if stack.device == device:
+                stack.index_copy_(4, destination, stack.index_select(4, source))
 
 
 class StaticTarget:
@@ -185,6 +188,15 @@ class StaticTarget:
         self._kept = torch.zeros(max(max_verify, self.prefill_chunk), dtype=torch.long, device=device)
         self._length = torch.zeros((), dtype=torch.long, device=device)
         self._columns = torch.arange(capacity, device=device)
+        # the commit's inputs per device holding layers: the buffers themselves on the target's device,
+        # static copies elsewhere (a commit graph on one device cannot read another's memory)
+        self._commit_inputs: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        for layer_device in dict.fromkeys(self.layer_devices):
+            if layer_device == device:
+                self._commit_inputs[layer_device] = (self._kept, self._length, self._columns)
+            else:
+                self._commit_inputs[layer_device] = (self._kept.to(layer_device), self._length.to(layer_device),
+                                                     self._columns.to(layer_device))
         # verify graphs by pass width (a few kept), commit graphs by (width, path length)
         self._graphs = GraphCache(MAX_VERIFY_GRAPHS, on_evict=self._drop_commit_graphs)
         self._commit_graphs: dict[tuple[tuple[int, bool], int], torch.cuda.CUDAGraph] = {}
@@ -232,7 +244,7 @@ class StaticTarget:
         """One chunk of the prompt, a chain kept whole: GDN layers advance their state inside the pass and
         the K/V rows are already in place. With graphs, a full chunk replays one captured pass."""
         q = chunk.shape[0]
-        if not self.graphs or q != self.prefill_chunk or not self.one_device:
+        if not self.graphs or q != self.prefill_chunk:
             parents, visible = _chain(q, self.device)
             return self._forward(chunk, torch.arange(q, device=self.device), parents, visible, last_only=True,
                                  chain=True, commit=True)
@@ -243,8 +255,12 @@ class StaticTarget:
             saved = [t.clone() for t in live]  # capture's warm-ups run the pass, advancing the GDN state
             static = (self._prefill_ids, self._prefill_depths, *self._prefill_shape)
             try:
-                self._prefill_graph = capture(lambda: self._forward(*static, last_only=True, attend=self.capacity,
-                                                                    chain=True, commit=True))
+                if len(self.segments) == 1:
+                    self._prefill_graph = capture(lambda: self._forward(*static, last_only=True,
+                                                                        attend=self.capacity, chain=True, commit=True))
+                else:  # one graph per segment, as for a split target's verify pass
+                    self._prefill_graph = self._capture_segments(lambda: self._head(*static, self.capacity, True),
+                                                                 last_only=True, commit=True)
             except RuntimeError as exc:  # as for a verify pass: run eagerly from here on
                 warnings.warn(f"CUDA graph capture failed ({type(exc).__name__}: {str(exc)[:200]}); running eagerly",
                               stacklevel=3)
@@ -266,34 +282,63 @@ class StaticTarget:
         ``kept`` may be on the host or the device; engines pass a device tensor, so the copy into
         the commit's input buffer waits for nothing.
 
-        After a graph-replayed pass the commit is a graph too, one per (pass width, path length):
-        the first time it runs eagerly and is then recorded (recording executes nothing).
+        After a graph-replayed pass the commit is a graph too, one per (pass width, path length) and
+        device of the target: the first time it runs eagerly and is then recorded (recording executes
+        nothing). A split target hands the path and the committed length to each device's copies first.
         """
         count = int(kept.shape[0])
         self._kept[:count].copy_(kept)
         self._length.fill_(self.length)
         key = (self._graph_width, count)
-        if self._graph_width is None or not self.one_device:  # (a split target commits eagerly)
+        if self._graph_width is None:
             self._commit_core(count)
         elif key in self._commit_graphs:
             self._commit_graphs[key].replay()
         else:
             self._commit_core(count)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._commit_core(count)
-            self._commit_graphs[key] = graph
+            self._commit_graphs[key] = self._capture_commit(count)
         self.pending = {}
         self.length += count
 
     def _commit_core(self, count: int) -> None:
         """Device-only commit of the path in ``_kept[:count]`` after ``_length`` committed tokens."""
-        length = self._length
-        # accepted K/V rows move to the slots after the committed past
-        self.kv.move(length + self._kept[:count], length + self._columns[:count])
-        for i in self.linear_ids:  # replay the accepted path as a chain from the committed state
-            path = self._kept[:count].to(self.layer_devices[i])
-            self.gdn[i].commit(self.pending[i], path, self.conv_windows[i], self.states[i])
+        for device in self._commit_inputs:
+            self._hand_commit_inputs(device, count)
+            self._commit_on(device, count)
+
+    def _capture_commit(self, count: int):
+        """The commit as one graph per device (with the hand-off copies between them when split)."""
+        if len(self._commit_inputs) == 1:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._commit_core(count)
+            return graph
+        steps = []
+        for device in self._commit_inputs:
+            steps.append(lambda device=device: self._hand_commit_inputs(device, count))
+            with torch.cuda.device(device):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    self._commit_on(device, count)
+            steps.append(graph.replay)
+        return _Steps(steps, keep=[])
+
+    def _hand_commit_inputs(self, device: torch.device, count: int) -> None:
+        """Copy the path and the committed length to ``device``'s static commit inputs (no-op on the
+        target's own device, whose inputs are the buffers themselves)."""
+        kept, length, _ = self._commit_inputs[device]
+        if kept is not self._kept:
+            kept[:count].copy_(self._kept[:count])
+            length.copy_(self._length)
+
+    def _commit_on(self, device: torch.device, count: int) -> None:
+        """The commit's work on one device: the accepted K/V rows of its attention layers move to the
+        slots after the committed past, and its GDN layers replay the accepted path from their state."""
+        kept, length, columns = self._commit_inputs[device]
+        self.kv.move_on(device, length + kept[:count], length + columns[:count])
+        for i in self.linear_ids:
+            if self.layer_devices[i] == device:
+                self.gdn[i].commit(self.pending[i], kept[:count], self.conv_windows[i], self.states[i])
 
     # -- internals ---------------------------------------------------------------------------------
     def _verify(self, ids, depths, parents, visible, chain: bool = False) -> VerifyOutput:
@@ -338,7 +383,7 @@ class StaticTarget:
         pending = dict(self.pending)
         return graph, out, pending, sum(p.nbytes() for p in pending.values())
 
-    def _capture_segments(self, head, last_only: bool):
+    def _capture_segments(self, head, last_only: bool, commit: bool = False):
         """One graph per segment of layers; the first also runs ``head``, the last the final norm and
         lm_head. A segment on the previous one's device reads its output in place; on another device
         it reads static copies of the hidden state and the pass's shared inputs, refreshed between
@@ -349,7 +394,7 @@ class StaticTarget:
             hidden, per_device = head()
             captured: dict[int, torch.Tensor] = {}
             with grouped_attention_in(self.config):
-                hidden = self._run_layers(hidden, per_device, captured, False, *self.segments[0])
+                hidden = self._run_layers(hidden, per_device, captured, commit, *self.segments[0])
             context.update(per_device=per_device, captured=captured)  # those of the recorded call
             return hidden
 
@@ -370,7 +415,7 @@ class StaticTarget:
 
             def segment(inp=received, start=start, end=end, k=k):
                 with grouped_attention_in(self.config):
-                    out = self._run_layers(inp, per_device, captured, False, start, end)
+                    out = self._run_layers(inp, per_device, captured, commit, start, end)
                 return self._tail(out, captured, last_only) if k == last else out
 
             keep.append(received)

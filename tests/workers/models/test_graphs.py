@@ -81,25 +81,30 @@ def test_replayed_tree_build_equals_the_eager_build(tiny):
                 assert torch.equal(getattr(want, name), getattr(got, name)), (name, params)
 
 
+@pytest.mark.parametrize("segments", [1, 2])
 @pytest.mark.parametrize("name", ["tiny_hybrid", "tiny"])
 @torch.inference_mode()  # as the engines run the target
-def test_prompt_chunks_replayed_from_a_graph_equal_eager(request, name):
-    """Full prompt chunks replay one captured pass (its warm-ups must not advance the GDN state);
-    the logits, the taps and the tokens generated after it equal the eager prompt's."""
+def test_prompt_chunks_replayed_from_a_graph_equal_eager(request, name, segments):
+    """Full prompt chunks replay one captured pass (two segments: one graph per segment; the warm-ups
+    must not advance the GDN state); the logits, the taps and the tokens generated after it (whose
+    commits replay their own graphs) equal the eager prompt's."""
     tiny = request.getfixturevalue(name)
     model = copy.deepcopy(tiny.model).cuda()
     taps = tiny.drafter.spec.target_layer_ids
+    starts = (len(model.model.layers) // 2,) if segments == 2 else ()
     prompt = torch.randint(1, tiny.shape.vocab_size, (1, 29), generator=torch.Generator().manual_seed(3)).cuda()
     outputs = []
     for graphs in (False, True):
-        target = StaticTarget(model, taps, prefill_chunk=8, graphs=graphs)
+        target = StaticTarget(model, taps, prefill_chunk=8, graphs=graphs, segment_starts=starts)
+        assert len(target.segments) == segments
         for _ in range(2):  # the second prompt replays the graph captured during the first
             target.start(capacity=128, max_verify=16)
             opening = target.prefill(prompt)
             tokens = ar.generate(target, None, prompt, GenerationConfig(max_new_tokens=12)).token_ids
         outputs.append((opening.logits, opening.taps, tokens))
         if graphs:
-            assert target._prefill_graph is not None
+            assert target._prefill_graph is not None and target._commit_graphs
+            assert (type(target._prefill_graph[0]).__name__ == "_Steps") == (segments == 2)
     (logits, taps_eager, tokens), (logits_g, taps_g, tokens_g) = outputs
     torch.testing.assert_close(logits_g, logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(taps_g, taps_eager, atol=1e-5, rtol=1e-5)
