@@ -13,7 +13,7 @@ drafter (5 layers, block 16). Prints, last, one table:
 - the prompt (``--context`` tokens) through ``prefill`` against the compute floor;
 - the drafter's forward (one block), eager and as a graph, and the tree work per round for
   B = 16..1024 (build on the GPU, unlimited and branching 8; walk; commit);
-- full rounds: AR decode step, DFlash round, DDTree rounds, eager vs graphs;
+- full rounds: AR decode step, DFlash round, DDTree rounds, eager vs graphs (and the split target);
 - checks: graph outputs equal eager outputs (greedy tokens, every method).
 """
 
@@ -172,7 +172,9 @@ def main() -> int:
         runner.start(capacity=args.context + 600, max_verify=max(qs))
         runner.prefill(prompt)
 
-    for label, runner in (("eager", eager), ("graph", graphed)):
+    for label, runner in (("eager", eager), ("graph", graphed), ("split graphs", split)):
+        if runner is None:
+            continue
         prefill_ms = median_ms(lambda r=runner: prefill_once(r), 3)
         lines.append(f"prefill {args.context} tokens, {label}: {prefill_ms:.1f} ms (chunks of {runner.prefill_chunk}); "
                      f"compute floor {compute_floor_ms(args.context):.1f} ms -> "
@@ -228,21 +230,26 @@ def main() -> int:
                      f"{commit:>10.2f}")
 
     # --- whole rounds, and graph == eager -------------------------------------------------------------
-    lines.append(f"{'method':>18} {'eager ms/round':>15} {'graph ms/round':>15} {'same tokens':>12}")
+    lines.append(f"{'method':>18} {'eager ms/round':>15} {'graph ms/round':>15} {'split ms/round':>15} "
+                 f"{'same tokens':>12}")
+    split_store = DraftGraphStore()  # the split target's own drafter graphs
     config = GenerationConfig(max_new_tokens=args.new_tokens)
     cases = [("ar", ar.generate, None), ("dflash", dflash.generate, DFlashParams())]
     cases += [(f"ddtree B={b}", ddtree.generate, TreeParams(b)) for b in BUDGETS]
     for name, engine, params in cases:
         results = []
-        for runner in (eager, graphed):
-            draft = {"draft_graphs": store} if params else {}
+        for runner in (eager, graphed, split):
+            if runner is None:
+                continue
+            draft = {"draft_graphs": split_store if runner is split else store} if params else {}
             # warm-up
             engine(runner, drafter if params else None, prompt, GenerationConfig(max_new_tokens=8), params, **draft)
             out = engine(runner, drafter if params else None, prompt, config, params, **draft)
             results.append(out)
         per_round = [o.decode_s / max(o.num_rounds, 1) * 1e3 for o in results]
-        same = results[0].token_ids == results[1].token_ids
-        lines.append(f"{name:>18} {per_round[0]:>15.2f} {per_round[1]:>15.2f} {str(same):>12}")
+        same = all(r.token_ids == results[0].token_ids for r in results)
+        split_ms = per_round[2] if split is not None else float("nan")
+        lines.append(f"{name:>18} {per_round[0]:>15.2f} {per_round[1]:>15.2f} {split_ms:>15.2f} {str(same):>12}")
     print("\n".join(lines))
     return 0
 
