@@ -39,6 +39,15 @@ def _model(request, name: str, seed: int = 0) -> nn.Module:
     return model
 
 
+def _rotary(model, hidden: torch.Tensor, start: int):
+    """cos, sin [1, q, r] at positions start.. as ``StaticTarget`` asks for them (text: one position thrice)."""
+    rotary, q = model.model.rotary_emb, hidden.shape[1]
+    positions = torch.arange(start, start + q)[None]
+    if hasattr(rotary, "mrope_section"):
+        positions = positions.unsqueeze(0).expand(3, 1, q)
+    return rotary(hidden, positions)
+
+
 def _layers(model, kind: str):
     base = model.model
     return [(i, layer) for i, layer in enumerate(base.layers) if base.config.layer_types[i] == kind]
@@ -64,7 +73,7 @@ def test_gated_attention_layer_equals_transformers_layer(request, name, q):
     model = _model(request, name, seed=q)
     generator = torch.Generator().manual_seed(q)
     hidden = torch.randn(1, q, model.config.hidden_size, generator=generator)
-    cos, sin = model.model.rotary_emb(hidden, torch.arange(3, 3 + q)[None])  # [1, q, r]
+    cos, sin = _rotary(model, hidden, 3)  # [1, q, r]
     mask = _tree_mask(q, generator)
     for i, layer in _layers(model, "full_attention"):
         fused = fused_hybrid_layer_for(layer)
@@ -130,7 +139,7 @@ def test_fused_weights_are_views_and_reduce_sees_each_partial_output(request):
     assert all(m.weight.untyped_storage().data_ptr() == stacked for m in (attn.q_proj, attn.k_proj, attn.v_proj))
     assert mlp.up_proj.weight.untyped_storage().data_ptr() == reduced.mlp.gate_up_weight.untyped_storage().data_ptr()
     hidden = torch.randn(1, 3, model.config.hidden_size)
-    cos, sin = model.model.rotary_emb(hidden, torch.arange(3)[None])
+    cos, sin = _rotary(model, hidden, 0)
     mask = torch.zeros(3, 3).masked_fill_(torch.ones(3, 3, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
     inputs = PassInputs.build(cos, sin, torch.arange(3), mask, reduced.query_heads // reduced.kv_heads)
     with torch.no_grad():
