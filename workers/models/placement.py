@@ -32,6 +32,10 @@ from workers.seam import text_config
 
 FIXED_BYTES = int(1.5 * 2**30)  # CUDA context, cuBLAS / attention workspaces, allocator slack
 GiB = 2**30
+# a captured graph's pool: allocator segments it rounds up to, and its rows' size over the MLP's (see
+# ``graph_activation_bytes``; both fitted to benchmarks/graph_pools.py's measurements)
+GRAPH_POOL_SLACK = 96 * 2**20
+GRAPH_ROW_FACTOR = 4
 
 
 @dataclass(frozen=True)
@@ -95,25 +99,20 @@ def head_bytes(config, budget: RunBudget, dtype: torch.dtype) -> int:
 
 
 def graph_activation_bytes(config, budget: RunBudget, dtype: torch.dtype) -> int:
-    """One verify graph's pool beyond its outputs: the pass's transient activations at their peak
-    (a captured pass reuses its own freed blocks, so the widest layer sets the size), on each GPU
-    the pass spans. The widest layer's rows: the MLP's gate/up and activation (3 x intermediate),
-    a few hidden-size temporaries, and a Gated DeltaNet layer's projections and conv outputs
-    (about three times its conv width); a few-row attention's scores over the whole K/V buffer."""
+    """One verify graph's pool beyond its outputs, on each GPU the pass spans: the pass's transient
+    activations at their peak (a captured pass reuses its own freed blocks) plus the allocator's
+    segment rounding. Sized from the widest rows (the MLP's gate/up and activation, hidden-size
+    temporaries; float32 GDN and attention intermediates make the measured rows ~4x that, see
+    benchmarks/graph_pools.py) and a few-row attention's scores over the whole K/V buffer."""
     cfg = text_config(config)
     element = torch.empty((), dtype=dtype).element_size()
-    row = 3 * cfg.intermediate_size + 6 * cfg.hidden_size
-    if "linear_attention" in (getattr(cfg, "layer_types", None) or ()):
-        conv_dim = (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
-                    + cfg.linear_num_value_heads * cfg.linear_value_head_dim)
-        row = max(row, 3 * conv_dim + 2 * cfg.hidden_size)
+    row = GRAPH_ROW_FACTOR * (3 * cfg.intermediate_size + 6 * cfg.hidden_size)
     # few rows attend by batched products (``attention.SMALL_ATTENTION_ROWS``): scores and softmax [Hkv, rows, C]
     from workers.models.attention import SMALL_ATTENTION_ROWS
 
-    groups = cfg.num_attention_heads // cfg.num_key_value_heads
-    rows = groups * budget.max_verify
+    rows = cfg.num_attention_heads // cfg.num_key_value_heads * budget.max_verify
     scores = 2 * cfg.num_key_value_heads * rows * budget.max_tokens * element if rows <= SMALL_ATTENTION_ROWS else 0
-    return budget.max_verify * row * element + scores
+    return GRAPH_POOL_SLACK + budget.max_verify * row * element + scores
 
 
 def plan_split(

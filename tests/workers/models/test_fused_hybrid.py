@@ -10,6 +10,7 @@ row-parallel partial output. GPU-marked: the Triton norm equals the torch form, 
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -80,8 +81,11 @@ def test_gated_attention_layer_equals_transformers_layer(request, name, q):
         assert isinstance(fused, GatedAttentionLayer)
         assert cos.shape[-1] < fused.head_dim  # the tiny configs rotate part of each head
         cache = _RecordingCache()
+        # transformers renamed the layers' ``past_key_values`` to ``cache`` (as StaticTarget checks)
+        cache_kwarg = "cache" if "cache" in inspect.signature(layer.self_attn.forward).parameters else "past_key_values"
         with torch.no_grad():
-            want = layer(hidden, position_embeddings=(cos, sin), attention_mask=mask[None, None], cache=cache)
+            want = layer(hidden, position_embeddings=(cos, sin), attention_mask=mask[None, None],
+                         **{cache_kwarg: cache})
             kv = torch.zeros(2, 1, fused.kv_heads, q + 3, fused.head_dim)
             inputs = PassInputs.build(cos, sin, torch.arange(q), mask, fused.query_heads // fused.kv_heads)
             got = fused(hidden, inputs, kv, attend=q)
