@@ -9,7 +9,11 @@ first long prompt:
   the layers it holds (attention K/V for ``max_tokens``; Gated DeltaNet state and, for the largest
   tree, the per-node data of ``workers.models.deltanet.tree_state_bytes``), spread evenly for the split;
 - the GPU with the last layers and ``lm_head``: the DFlash drafter (it reads the target's
-  ``lm_head`` and last taps there) and the verify pass's logits and activations.
+  ``lm_head`` and last taps there) and the verify pass's logits and activations;
+- the CUDA graphs' private memory pools (``RunBudget.graph_widths`` verify widths kept captured,
+  each sized for ``max_verify``): every pool holds its own copy of the pass's outputs (the logits
+  on the ``lm_head`` GPU, each GDN layer's pending data with that layer) and the pass's activations
+  at their peak on every GPU it spans (``graph_activation_bytes``).
 
 Weights are then balanced so every GPU keeps a similar amount free, and the finished map is
 checked module by module against each GPU's size; a plan that does not fit is refused with the
@@ -28,6 +32,10 @@ from workers.seam import text_config
 
 FIXED_BYTES = int(1.5 * 2**30)  # CUDA context, cuBLAS / attention workspaces, allocator slack
 GiB = 2**30
+# a captured graph's pool: allocator segments it rounds up to, and its rows' size over the MLP's (see
+# ``graph_activation_bytes``; both fitted to benchmarks/graph_pools.py's measurements)
+GRAPH_POOL_SLACK = 96 * 2**20
+GRAPH_ROW_FACTOR = 4
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,7 @@ class RunBudget:
 
     max_tokens: int = 16384  # prompt + generated + one verify pass
     max_verify: int = 1025  # nodes in one verify pass (tree budget + 1)
+    graph_widths: int = 4  # verify graphs kept captured (static_target.MAX_VERIFY_GRAPHS); 0 = eager
 
 
 @dataclass(frozen=True)
@@ -73,8 +82,8 @@ def layer_state_bytes(config, layer_type: str, budget: RunBudget, dtype: torch.d
         conv_dim = (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
                     + cfg.linear_num_value_heads * cfg.linear_value_head_dim)
         state = 4 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
-        return (state + element * conv_dim * cfg.linear_conv_kernel_dim
-                + tree_state_bytes(cfg, budget.max_verify, dtype) // layers)
+        pending = tree_state_bytes(cfg, budget.max_verify, dtype) // layers  # one pass's, and each graph's own
+        return state + element * conv_dim * cfg.linear_conv_kernel_dim + (1 + budget.graph_widths) * pending
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return 2 * cfg.num_key_value_heads * head_dim * budget.max_tokens * element
 
@@ -85,7 +94,25 @@ def head_bytes(config, budget: RunBudget, dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
     logits = budget.max_verify * cfg.vocab_size * (element + 4)
     activations = budget.max_verify * (3 * cfg.intermediate_size + 6 * cfg.hidden_size) * element
-    return logits + activations
+    graph_logits = budget.graph_widths * budget.max_verify * cfg.vocab_size * element  # each graph's own output
+    return logits + activations + graph_logits
+
+
+def graph_activation_bytes(config, budget: RunBudget, dtype: torch.dtype) -> int:
+    """One verify graph's pool beyond its outputs, on each GPU the pass spans: the pass's transient
+    activations at their peak (a captured pass reuses its own freed blocks) plus the allocator's
+    segment rounding. Sized from the widest rows (the MLP's gate/up and activation, hidden-size
+    temporaries; float32 GDN and attention intermediates make the measured rows ~4x that, see
+    benchmarks/graph_pools.py) and a few-row attention's scores over the whole K/V buffer."""
+    cfg = text_config(config)
+    element = torch.empty((), dtype=dtype).element_size()
+    row = GRAPH_ROW_FACTOR * (3 * cfg.intermediate_size + 6 * cfg.hidden_size)
+    # few rows attend by batched products (``attention.SMALL_ATTENTION_ROWS``): scores and softmax [Hkv, rows, C]
+    from workers.models.attention import SMALL_ATTENTION_ROWS
+
+    rows = cfg.num_attention_heads // cfg.num_key_value_heads * budget.max_verify
+    scores = 2 * cfg.num_key_value_heads * rows * budget.max_tokens * element if rows <= SMALL_ATTENTION_ROWS else 0
+    return GRAPH_POOL_SLACK + budget.max_verify * row * element + scores
 
 
 def plan_split(
@@ -111,7 +138,8 @@ def plan_split(
     last_extra = drafter_bytes + head_bytes(config, budget, dtype)
 
     # usable bytes for weights per GPU: size minus fixed, an even share of layer state, and (last) the head
-    usable = [size - FIXED_BYTES - sum(state) // count - (last_extra if gpu == last else 0)
+    fixed = FIXED_BYTES + budget.graph_widths * graph_activation_bytes(config, budget, dtype)  # on every GPU
+    usable = [size - fixed - sum(state) // count - (last_extra if gpu == last else 0)
               for gpu, size in enumerate(gpu_bytes)]
     if weight_cap is not None:
         usable = [min(u, weight_cap) for u in usable]
@@ -132,12 +160,12 @@ def plan_split(
         raise BadInputError(f"the target's {weights / GiB:.1f} GiB of weights do not pack into {room} GiB of GPU room "
                             f"left after the runtime reserve: {', '.join(off_gpu[:3])} would go to "
                             f"{device_map[off_gpu[0]]}; raise max_memory_per_gpu or use more GPUs")
-    return _checked_plan(device_map, sizes, state, gpu_bytes, last_extra, drafter_bytes)
+    return _checked_plan(device_map, sizes, state, gpu_bytes, last_extra, drafter_bytes, fixed)
 
 
-def _checked_plan(device_map, sizes, state, gpu_bytes, last_extra, drafter_bytes) -> PlacementPlan:
+def _checked_plan(device_map, sizes, state, gpu_bytes, last_extra, drafter_bytes, fixed: int) -> PlacementPlan:
     lm_gpu = device_map.get("lm_head", max(device_map.values()))
-    weight_bytes, reserve_bytes = [0] * len(gpu_bytes), [FIXED_BYTES] * len(gpu_bytes)
+    weight_bytes, reserve_bytes = [0] * len(gpu_bytes), [fixed] * len(gpu_bytes)
     for name, gpu in device_map.items():
         weight_bytes[gpu] += sizes[name]
         for i in _layers_in(name, len(state)):

@@ -3,7 +3,8 @@
 ``StaticTarget`` runs the decoder layers itself (this module is the loop and the state): plain
 attention layers as ``FusedLayer``, the token mixing of Gated DeltaNet layers as ``GDNLayer``
 (``workers.models.gdn_layer``: every node continues its parent's conv window and recurrent state),
-and everything else through the model's own modules (norms, MLP / MoE, gated attention). transformers' own forward
+the hybrids' gated attention, norms and MLPs as ``fused_hybrid``'s layers, and anything else (MoE MLPs,
+unknown layer shapes) through the model's own modules. transformers' own forward
 cannot do that: its linear-attention layers ignore a 4-D mask (siblings leak into each other's
 state) and its hybrid cache cannot be rolled back. For attention-only models the same loop gives
 static K/V buffers and a forward whose every tensor has a fixed address, which is what a CUDA graph
@@ -43,6 +44,7 @@ from torch import nn
 from workers.errors import UnsupportedModelError
 from workers.models.attention import grouped_attention_in
 from workers.models.deltanet import MAX_PATH, PendingLayer, TreeShape
+from workers.models.fused_hybrid import fused_hybrid_layer_for
 from workers.models.fused_layer import PassInputs, fused_layer_for
 from workers.models.gdn_layer import gdn_layer_for
 from workers.models.graph_cache import GraphCache, capture
@@ -130,8 +132,11 @@ class StaticTarget:
         self.segments = list(zip(starts, [*starts[1:], count]))
         # experimental: torch.compile fuses the layers' small elementwise kernels (norms, rotary, gates)
         self._run_layers = torch.compile(self._layers, dynamic=False) if compile_layers else self._layers
-        # plain attention layers run as FusedLayer (few kernels); others through transformers' modules
-        self.fused = {i: fused_layer_for(self.layers[i], self.config) for i in self.attention_ids}
+        # plain attention layers run as FusedLayer, gated ones as GatedAttentionLayer (few kernels each);
+        # GDN layers' norms and MLP as HybridLinearLayer; anything else through transformers' modules
+        self.fused = {i: fused_layer_for(self.layers[i], self.config) or fused_hybrid_layer_for(self.layers[i])
+                      for i in self.attention_ids}
+        self.linear_blocks = {i: fused_hybrid_layer_for(self.layers[i]) for i in self.linear_ids}
         self.gdn = {i: gdn_layer_for(self.layers[i].linear_attn) for i in self.linear_ids}
         if self.attention_ids:  # transformers renamed the attention modules' ``past_key_values`` to ``cache``
             params = inspect.signature(self.layers[self.attention_ids[0]].self_attn.forward).parameters
@@ -494,7 +499,8 @@ class StaticTarget:
 
     def _module_layer(self, i: int, layer: nn.Module, hidden: torch.Tensor, on: dict, commit: bool) -> torch.Tensor:
         """One decoder layer through transformers' own modules (linear attention: our tree form)."""
-        mixed = layer.input_layernorm(hidden)
+        block = self.linear_blocks.get(i)  # the fused norms and MLP around a GDN mixer, if any
+        mixed = block.norm(hidden) if block is not None else layer.input_layernorm(hidden)
         if self.layer_types[i] == "linear_attention":
             mixed, pending = self.gdn[i](mixed, on["tree"], self.conv_windows[i], self.states[i], commit)
             if pending is not None:
@@ -505,6 +511,8 @@ class StaticTarget:
             mixed = layer.self_attn(
                 hidden_states=mixed, position_embeddings=(on["cos"], on["sin"]), attention_mask=on["mask"], **kwargs
             )[0]
+        if block is not None:
+            return block.finish(hidden, mixed)
         hidden = hidden + mixed
         mlp_out = layer.mlp(layer.post_attention_layernorm(hidden))
         return hidden + (mlp_out[0] if isinstance(mlp_out, tuple) else mlp_out)

@@ -106,10 +106,13 @@ def test_fused_weights_are_views_of_the_model_weights():
     assert refused is not fused and refused.qkv_weight.dtype == torch.float64 and refused.is_current(layer)
 
 
-def test_unsupported_layers_keep_transformers_modules(tiny_hybrid):
-    """Qwen3.5's gated, partial-rotary attention (and its 1 + weight norms) is not a plain layer."""
+def test_gated_layers_are_not_plain_layers(tiny_hybrid):
+    """Qwen3.5's gated, partial-rotary attention (and its 1 + weight norms) is not a plain layer
+    (``fused_hybrid`` runs it: tests/workers/models/test_fused_hybrid.py)."""
     target = StaticTarget(tiny_hybrid.model)
-    assert target.attention_ids and all(f is None for f in target.fused.values())
+    assert target.attention_ids and not any(isinstance(f, FusedLayer) for f in target.fused.values())
+    assert not any(FusedLayer.supports(tiny_hybrid.model.model.layers[i], tiny_hybrid.model.config)
+                   for i in target.attention_ids)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 24])

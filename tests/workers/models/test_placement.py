@@ -17,6 +17,8 @@ from workers.models.placement import (
     GiB,
     RunBudget,
     drafter_bytes_for,
+    graph_activation_bytes,
+    head_bytes,
     layer_state_bytes,
     plan_split,
 )
@@ -94,3 +96,21 @@ def test_the_multimodal_checkpoint_config_plans_its_language_model(hybrid_27b):
     plan = plan_split(composite, [GB48, GB48], torch.bfloat16, drafter_bytes=hybrid_27b[1])
     assert sum(name.startswith("model.layers.") for name in plan.device_map) == 64
     assert plan.device_map["lm_head"] == 1 and min(plan.free_bytes()) > 2 * GiB
+
+
+def test_the_reserve_counts_each_kept_graphs_pool(hybrid_27b):
+    """Each captured width keeps its own logits, GDN pending data and activations (on every GPU)."""
+    config, drafter = hybrid_27b
+    eager, graphs = RunBudget(graph_widths=0), RunBudget(graph_widths=4)
+    pending = tree_state_bytes(config, graphs.max_verify)
+    logits = graphs.max_verify * config.vocab_size * 2
+    assert head_bytes(config, graphs, torch.bfloat16) - head_bytes(config, eager, torch.bfloat16) == 4 * logits
+    linear = [layer_state_bytes(config, "linear_attention", b, torch.bfloat16) for b in (eager, graphs)]
+    assert abs((linear[1] - linear[0]) * 48 - 4 * pending) < 48 * 4  # (integer division per layer)
+    activations = graph_activation_bytes(config, graphs, torch.bfloat16)
+    assert 0.5 * GiB < activations < 1 * GiB  # width 1025 on the 27B shape
+    plans = [plan_split(config, [GB48, GB48], torch.bfloat16, drafter_bytes=drafter, budget=b) for b in (eager, graphs)]
+    grown = sum(plans[1].reserve_bytes) - sum(plans[0].reserve_bytes)
+    expected = 4 * (logits + 2 * activations) + (linear[1] - linear[0]) * 48
+    assert abs(grown - expected) < 2**20, (grown, expected)
+    assert min(plans[1].free_bytes()) > 2 * GiB, plans[1].describe()  # the user's 2 x 48 GB still fits

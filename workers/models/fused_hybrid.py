@@ -1,0 +1,257 @@
+"""The hybrids' decoder layers (Qwen3.5 / Qwen3.6 / Qwen3-Next) in few, larger kernels.
+
+What ``FusedLayer`` does for plain Qwen3 layers, for the two layer kinds of a hybrid:
+
+    gated attention (``full_attention``), the whole layer:
+        heads = [q | gate per query head, k, v] = qkv_proj(n)          n = norm(x), one matrix
+        x = x + o_proj(attention(rope_r(norm_q(q)), rope_r(norm_k(k)), v) * sigmoid(gate))
+    Gated DeltaNet (``linear_attention``), around the token mixer ``GDNLayer`` runs:
+        x = x + mixer(norm(x))
+    and in both, the MLP:
+        x = x + down_proj(silu(gate_proj(m)) * up_proj(m))             m = norm(x), gate/up one matrix
+
+Every norm here is Qwen3.5's RMSNorm: in float32, x * rsqrt(mean(x^2) + eps) * (1 + weight), then
+rounded to the model dtype once; on CUDA that is one Triton kernel (``one_plus_rms_norm``), on CPU
+the same arithmetic in torch. ``rope_r`` rotates only the first r = cos.shape[-1] dims of each head
+(``partial_rotary_factor``). The residual sums happen in the output projections' matrix products
+(``torch.addmm``'s epilogue), and K and V go to the cache with one copy.
+
+As in ``FusedLayer``, the fused matrices are built once per layer and the model's own ``q_proj.weight``
+(etc.) become views into them, so no weight is stored twice and transformers' forward still reads
+the same values. Head counts come from the weights' shapes (a tensor-parallel shard has fewer heads
+than the config says). Qwen3-Next's MoE MLPs keep transformers' module (only the norms around them
+are fused).
+
+Tensor parallelism: every layer object takes ``reduce`` (None: one process), applied to each
+row-parallel partial output (o_proj, down_proj) before its residual add; without it the add stays
+in the matrix product's epilogue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.models.attention import attend_folded
+from workers.models.fused_layer import PassInputs, fuse_rows
+
+# transformers' RMSNorm classes computing (1 + weight) * (x * rsqrt(mean(x^2) + eps)) in float32
+ONE_PLUS_NORMS = frozenset({"Qwen3_5RMSNorm", "Qwen3_5TextRMSNorm", "Qwen3NextRMSNorm", "Qwen3_5MoeRMSNorm"})
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def one_plus_rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """Qwen3.5's RMSNorm of the rows of x [..., N] with ``norm``'s weight [N] (and eps), in x's dtype."""
+    if x.is_cuda and _kernels_available():
+        from workers.models.fused_hybrid_triton import one_plus_rms_norm as kernel
+
+        return kernel(x, norm.weight, norm.eps)
+    normed = F.rms_norm(x.float(), norm.weight.shape, eps=norm.eps)
+    return (normed * (1.0 + norm.weight.float())).to(x.dtype)
+
+
+def _kernels_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _residual_plus(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear, reduce: Reduce | None) -> torch.Tensor:
+    """residual + reduce(linear(x)) for 2-D operands; without ``reduce`` the sum is the matrix
+    product's epilogue (one kernel)."""
+    if reduce is not None:
+        return residual + reduce(linear(x))
+    if linear.bias is not None:
+        return residual + linear(x)
+    return torch.addmm(residual, x, linear.weight.t())
+
+
+def _is_one_plus(norm: nn.Module) -> bool:
+    return type(norm).__name__ in ONE_PLUS_NORMS and hasattr(norm, "eps")
+
+
+class HybridMLP:
+    """The second half of every hybrid layer: x + mlp(post_attention_layernorm(x)).
+
+    A dense MLP (gate_proj, up_proj, down_proj, SiLU) runs as two matrix products, gate/up fused; an
+    MoE block (Qwen3-Next) stays transformers' module.
+    """
+
+    def __init__(self, layer: nn.Module, reduce: Reduce | None = None) -> None:
+        mlp = layer.mlp
+        self.post_norm, self.mlp, self.reduce = layer.post_attention_layernorm, mlp, reduce
+        self.gate_up_weight = None
+        if self.dense(mlp):
+            self.down_proj = mlp.down_proj
+            self.intermediate = mlp.gate_proj.weight.shape[0]
+            with torch.inference_mode(False), torch.no_grad():  # (this order: inference_mode(False) enables grad)
+                self.gate_up_weight = fuse_rows((mlp.gate_proj, mlp.up_proj), "weight")  # [2I, H]
+
+    @staticmethod
+    def dense(mlp: nn.Module) -> bool:
+        return (all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
+                and all(getattr(mlp, n).bias is None for n in ("gate_proj", "up_proj", "down_proj"))
+                and getattr(getattr(mlp, "config", None), "hidden_act", None) == "silu")
+
+    def is_current(self) -> bool:
+        return self.gate_up_weight is None or self.mlp.gate_proj.weight.data_ptr() == self.gate_up_weight.data_ptr()
+
+    def __call__(self, residual: torch.Tensor) -> torch.Tensor:
+        """residual [q, H] -> [q, H]."""
+        normed = one_plus_rms_norm(residual, self.post_norm)
+        if self.gate_up_weight is None:  # MoE: the module (its router is data-dependent)
+            out = self.mlp(normed[None])
+            out = out[0] if isinstance(out, tuple) else out
+            out = out[0] if self.reduce is None else self.reduce(out[0])
+            return residual + out
+        return self.dense_mlp(residual, normed)
+
+    def dense_mlp(self, residual: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """residual + down_proj(silu(gate) * up) of the normed rows [q, H] (a dense MLP)."""
+        gate_up = F.linear(normed, self.gate_up_weight)  # [q, 2I]
+        if gate_up.is_cuda and _kernels_available():
+            from workers.models.fused_hybrid_triton import silu_mul
+
+            activated = silu_mul(gate_up)
+        else:
+            activated = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
+        return _residual_plus(residual, activated, self.down_proj, self.reduce)
+
+
+class HybridLinearLayer:
+    """The norms and MLP around a Gated DeltaNet layer's token mixer; the runner calls the mixer:
+
+        mixed = mixer(layer.input_norm(hidden)); hidden = layer.finish(hidden, mixed)
+    """
+
+    def __init__(self, layer: nn.Module, reduce: Reduce | None = None) -> None:
+        self.input_norm = layer.input_layernorm
+        self.mlp = HybridMLP(layer, reduce)
+
+    @staticmethod
+    def supports(layer: nn.Module) -> bool:
+        return (hasattr(layer, "linear_attn") and hasattr(layer, "mlp")
+                and _is_one_plus(layer.input_layernorm) and _is_one_plus(layer.post_attention_layernorm))
+
+    def is_current(self, layer: nn.Module) -> bool:
+        return self.mlp.is_current()
+
+    def norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [1, q, H] -> the mixer's input [1, q, H]."""
+        return one_plus_rms_norm(hidden, self.input_norm)
+
+    def finish(self, hidden: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
+        """hidden, mixed [1, q, H] (the mixer's output, reduced if sharded) -> the layer's output [1, q, H]."""
+        mlp = self.mlp
+        if hidden.is_cuda and mlp.gate_up_weight is not None and _kernels_available():  # the sum and norm in one
+            from workers.models.fused_hybrid_triton import add_one_plus_rms_norm
+
+            residual, normed = add_one_plus_rms_norm(hidden[0], mixed[0], mlp.post_norm.weight, mlp.post_norm.eps)
+            return mlp.dense_mlp(residual, normed).unsqueeze(0)
+        return mlp((hidden + mixed)[0]).unsqueeze(0)
+
+
+class GatedAttentionLayer:
+    """A whole gated-attention decoder layer; see the module docstring. Called like ``FusedLayer``."""
+
+    def __init__(self, layer: nn.Module, reduce: Reduce | None = None) -> None:
+        attn = layer.self_attn
+        self.attn, self.reduce = attn, reduce
+        self.head_dim = d = attn.q_norm.weight.shape[0]
+        self.query_heads = attn.q_proj.weight.shape[0] // (2 * d)  # q_proj emits [query D | gate D] per head
+        self.kv_heads = attn.k_proj.weight.shape[0] // d
+        self.scale = attn.scaling
+        self.input_norm, self.o_proj = layer.input_layernorm, attn.o_proj
+        self.mlp = HybridMLP(layer, reduce)
+        with torch.inference_mode(False), torch.no_grad():
+            # [2*Hq*D + 2*Hkv*D, H]: rows [q_0, gate_0, q_1, gate_1, ..., k heads, v heads], each head D rows
+            self.qkv_weight = fuse_rows((attn.q_proj, attn.k_proj, attn.v_proj), "weight")
+            self.qkv_bias = fuse_rows((attn.q_proj, attn.k_proj, attn.v_proj), "bias")
+
+    @staticmethod
+    def supports(layer: nn.Module) -> bool:
+        attn = getattr(layer, "self_attn", None)
+        if attn is None or not hasattr(layer, "mlp"):
+            return False
+        if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")):
+            return False
+        d = attn.q_norm.weight.shape[0]
+        norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
+        return (attn.q_proj.weight.shape[0] == 2 * d * (attn.o_proj.weight.shape[1] // d)  # query + gate per head
+                and attn.k_proj.weight.shape == attn.v_proj.weight.shape
+                and all(_is_one_plus(norm) for norm in norms))
+
+    def is_current(self, layer: nn.Module) -> bool:
+        return self.attn.q_proj.weight.data_ptr() == self.qkv_weight.data_ptr() and self.mlp.is_current()
+
+    def __call__(self, hidden: torch.Tensor, inputs: PassInputs, kv: torch.Tensor, attend: int) -> torch.Tensor:
+        """hidden [1, q, H] -> [1, q, H]; writes this pass's K/V into kv [2, 1, Hkv, C, D] at inputs.slots."""
+        q, hq, hkv, d = hidden.shape[1], self.query_heads, self.kv_heads, self.head_dim
+        residual = hidden[0]  # [q, H]
+        heads = F.linear(one_plus_rms_norm(residual, self.input_norm), self.qkv_weight, self.qkv_bias)
+        heads = heads.view(q, 2 * hq + 2 * hkv, d)
+        args = (heads, self.attn.q_norm, self.attn.k_norm, inputs, kv, hq, hkv)
+        folded = norm_rotate_heads(*args) if heads.is_cuda and _kernels_available() else norm_rotate_heads_torch(*args)
+        out = attend_folded(folded, kv[0, 0, :, :attend], kv[1, 0, :, :attend], inputs.mask, self.scale)
+        # the output gate: [q, Hq, D] (sigmoid's output is contiguous, the product lands in it)
+        gated = torch.sigmoid(heads[:, : 2 * hq].view(q, hq, 2, d)[:, :, 1]).mul_(out.view(hq, q, d).transpose(0, 1))
+        residual = _residual_plus(residual, gated.view(q, hq * d), self.o_proj, self.reduce)
+        return self.mlp(residual).unsqueeze(0)
+
+
+def norm_rotate_heads(heads: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module, inputs: PassInputs,
+                      kv: torch.Tensor, query_heads: int, kv_heads: int) -> torch.Tensor:
+    """``norm_rotate_heads_torch`` as one Triton kernel (CUDA)."""
+    from workers.models.fused_hybrid_triton import norm_rotate_heads as kernel
+
+    return kernel(heads, q_norm.weight, k_norm.weight, q_norm.eps, inputs.cos, inputs.sin_signed, inputs.slots, kv,
+                  query_heads, kv_heads)
+
+
+def norm_rotate_heads_torch(heads: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module, inputs: PassInputs,
+                            kv: torch.Tensor, query_heads: int, kv_heads: int) -> torch.Tensor:
+    """The attention's inputs from the projection's output heads [q, 2Hq + 2Hkv, D] (rows per node:
+    query 0, gate 0, ..., key heads, value heads): queries and keys normalised (``1 + weight``) and
+    rotated on their first r = cos.shape[-1] dims; K and V written into kv [2, 1, Hkv, C, D] at
+    ``inputs.slots``. Returns the queries folded per K/V head [Hkv, g*q, D] (``attend_folded``'s rows)."""
+    q, _, d = heads.shape
+    hq, hkv, rotary = query_heads, kv_heads, inputs.cos.shape[-1]
+    # [q, Hq + 2 Hkv, D]: queries, keys, values contiguous (one copy); q/k normalised and rotated in place
+    qkv = torch.cat((heads[:, : 2 * hq].view(q, hq, 2, d)[:, :, 0], heads[:, 2 * hq :]), dim=1)
+    query_key = qkv[:, : hq + hkv]
+    normed = torch.cat((one_plus_rms_norm(query_key[:, :hq], q_norm), one_plus_rms_norm(query_key[:, hq:], k_norm)),
+                       dim=1)
+    turning = normed[..., :rotary]
+    swapped = turning.unflatten(-1, (2, rotary // 2)).flip(-2).flatten(-2)
+    torch.addcmul(turning * inputs.cos, swapped, inputs.sin_signed, out=query_key[..., :rotary])
+    if rotary < d:
+        query_key[..., rotary:] = normed[..., rotary:]
+    kv[:, 0].index_copy_(2, inputs.slots, qkv[:, hq:].view(q, 2, hkv, d).permute(1, 2, 0, 3))
+    # fold each K/V head's query heads into rows: [Hkv, g*q, D], row r*q + t = head kv*g + r, node t
+    return qkv[:, :hq].transpose(0, 1).reshape(hkv, (hq // hkv) * q, d)
+
+
+def fused_hybrid_layer_for(layer: nn.Module, reduce: Reduce | None = None):
+    """The layer's ``GatedAttentionLayer`` or ``HybridLinearLayer`` (made once and kept on the layer:
+    its weights are views), or None for a layer of another shape.
+
+    Made again if the model's weights stopped being views of it (the model was moved or cast since),
+    or for another ``reduce``.
+    """
+    existing = getattr(layer, "_fused_hybrid", None)
+    if existing is not None and existing.is_current(layer) and existing.mlp.reduce is reduce:
+        return existing
+    if GatedAttentionLayer.supports(layer):
+        fused = GatedAttentionLayer(layer, reduce)
+    elif HybridLinearLayer.supports(layer):
+        fused = HybridLinearLayer(layer, reduce)
+    else:
+        return None
+    layer._fused_hybrid = fused  # a plain attribute (not a submodule): no second state_dict entry
+    return fused

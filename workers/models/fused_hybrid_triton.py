@@ -1,0 +1,144 @@
+"""The hybrid layers' small per-token work as Triton kernels (CUDA only; ``fused_hybrid`` has the torch forms).
+
+``one_plus_rms_norm``: Qwen3.5's ``1 + weight`` RMSNorm, which transformers computes as six to nine
+small kernels (cast, square, mean, add, rsqrt, two products, cast back): one program per row
+reduces in float32 and stores the row rounded to the model dtype once, as transformers does.
+``add_one_plus_rms_norm``: the residual sum and the next norm together. ``norm_rotate_heads``: a
+gated attention layer's q/k norms, partial rotary, K/V cache write and query fold in one kernel.
+``silu_mul``: the MLP's activation. Tested against the torch forms in
+``tests/workers/models/test_fused_hybrid.py`` (GPU-marked).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _one_plus_rms_norm_kernel(X, W, OUT, stride_a, stride_b, inner, n, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)  # row = a * inner + b of the [outer, inner, n] input
+    a = row // inner
+    b = row % inner
+    cols = tl.arange(0, BLOCK)
+    valid = cols < n
+    x = tl.load(X + a * stride_a + b * stride_b + cols, mask=valid, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=valid, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, axis=0) / n + eps) * (1.0 + w)
+    tl.store(OUT + row * n + cols, y.to(OUT.dtype.element_ty), mask=valid)
+
+
+def one_plus_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., N] (rows contiguous, leading dims any strides of a 2- or 3-D view) -> contiguous, x's dtype."""
+    n = x.shape[-1]
+    if x.stride(-1) != 1 or x.dim() > 3:
+        x = x.contiguous()
+    view = x if x.dim() == 3 else x.reshape(1, -1, n)  # [outer, inner, N]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = view.shape[0] * view.shape[1]
+    block = triton.next_power_of_2(n)
+    _one_plus_rms_norm_kernel[(rows,)](view, weight, out, view.stride(0), view.stride(1), view.shape[1], n, eps,
+                                       BLOCK=block, num_warps=min(16, max(1, block // 512)))
+    return out
+
+
+@triton.jit
+def _heads_kernel(
+    HEADS, QW, KW, COS, SIN, SLOTS, FOLDED, KV,
+    stride_token, stride_cos, stride_kv, stride_head, stride_slot, nodes, eps,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0)  # node
+    j = tl.program_id(1)  # 0..HQ-1 query heads, then HKV key heads, then HKV value heads
+    is_q = j < HQ
+    is_v = j >= HQ + HKV
+    # heads rows per node: [q_0, gate_0, ..., q_{HQ-1}, gate_{HQ-1}, k_0.., v_0..]
+    src = HEADS + t * stride_token + tl.where(is_q, 2 * j, HQ + j) * D
+    cols = tl.arange(0, BLOCK)
+    valid = cols < D
+    half = R // 2
+    partner = tl.where(cols < half, cols + half, tl.where(cols < R, cols - half, cols))  # rotate_half's source
+    x = tl.load(src + cols, mask=valid, other=0.0).to(tl.float32)
+    x_partner = tl.load(src + partner, mask=valid, other=0.0).to(tl.float32)
+    w = tl.where(is_q, tl.load(QW + cols, mask=valid, other=0.0), tl.load(KW + cols, mask=valid, other=0.0))
+    w_partner = tl.where(is_q, tl.load(QW + partner, mask=valid, other=0.0),
+                         tl.load(KW + partner, mask=valid, other=0.0))
+    inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    # the norm's output is rounded to the model dtype before the rotary, as transformers' module returns it
+    y = (x * inv * (1.0 + w.to(tl.float32))).to(HEADS.dtype.element_ty).to(tl.float32)
+    y_partner = (x_partner * inv * (1.0 + w_partner.to(tl.float32))).to(HEADS.dtype.element_ty).to(tl.float32)
+    turning = cols < R
+    cos = tl.load(COS + t * stride_cos + cols, mask=turning, other=1.0).to(tl.float32)
+    sin = tl.load(SIN + t * stride_cos + cols, mask=turning, other=0.0).to(tl.float32)  # sin, first half negated
+    out = tl.where(is_v, x, y * cos + y_partner * sin).to(FOLDED.dtype.element_ty)
+    # queries to the folded rows [HKV, g*q, D]: row r*q + t of K/V head j // g is query head j = kv*g + r
+    groups = HQ // HKV
+    folded_row = (j // groups) * groups * nodes + (j % groups) * nodes + t
+    tl.store(FOLDED + folded_row * D + cols, out, mask=valid & is_q)
+    slot = tl.load(SLOTS + t)
+    head = tl.where(is_v, j - HQ - HKV, j - HQ)
+    target = KV + is_v.to(tl.int64) * stride_kv + head * stride_head + slot * stride_slot
+    tl.store(target + cols, out, mask=valid & (j >= HQ))
+
+
+def norm_rotate_heads(heads: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                      cos: torch.Tensor, sin_signed: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
+                      query_heads: int, kv_heads: int) -> torch.Tensor:
+    """``fused_hybrid.norm_rotate_heads_torch`` in one kernel: heads [q, 2Hq + 2Hkv, D] -> folded
+    queries [Hkv, g*q, D]; K and V written into kv [2, 1, Hkv, C, D] at slots [q]."""
+    q, _, d = heads.shape
+    rotary = cos.shape[-1]
+    folded = torch.empty(kv_heads, (query_heads // kv_heads) * q, d, dtype=heads.dtype, device=heads.device)
+    _heads_kernel[(q, query_heads + 2 * kv_heads)](
+        heads, q_weight, k_weight, cos, sin_signed, slots, folded, kv,
+        heads.stride(0), cos.stride(0), kv.stride(0), kv.stride(2), kv.stride(3), q, eps,
+        HQ=query_heads, HKV=kv_heads, D=d, R=rotary, BLOCK=triton.next_power_of_2(d),
+        num_warps=1 if d <= 128 else 2,
+    )
+    return folded
+
+
+@triton.jit
+def _add_norm_kernel(A, B, W, SUM, OUT, n, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    valid = cols < n
+    total = tl.load(A + row * n + cols, mask=valid, other=0.0) + tl.load(B + row * n + cols, mask=valid, other=0.0)
+    tl.store(SUM + row * n + cols, total, mask=valid)  # the residual stream, in the model dtype as torch adds it
+    x = total.to(tl.float32)
+    w = tl.load(W + cols, mask=valid, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, axis=0) / n + eps) * (1.0 + w)
+    tl.store(OUT + row * n + cols, y.to(OUT.dtype.element_ty), mask=valid)
+
+
+def add_one_plus_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(a + b, its ``1 + weight`` RMSNorm) for contiguous a, b [q, N], in one kernel."""
+    a, b, n = a.contiguous(), b.contiguous(), a.shape[-1]
+    total, out = torch.empty_like(a), torch.empty_like(a)
+    block = triton.next_power_of_2(n)
+    _add_norm_kernel[(a.numel() // n,)](a, b, weight, total, out, n, eps, BLOCK=block,
+                                        num_warps=min(16, max(1, block // 512)))
+    return total, out
+
+
+@triton.jit
+def _silu_mul_kernel(GATE_UP, OUT, inner, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    valid = cols < inner
+    gate = tl.load(GATE_UP + row * 2 * inner + cols, mask=valid, other=0.0).to(tl.float32)
+    up = tl.load(GATE_UP + row * 2 * inner + inner + cols, mask=valid, other=0.0)
+    # rounded as torch's F.silu(gate) * up: the SiLU to the model dtype, then the product
+    activated = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+    tl.store(OUT + row * inner + cols, (activated.to(tl.float32) * up.to(tl.float32)).to(up.dtype), mask=valid)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [q, 2I] (contiguous: gate columns, then up) -> silu(gate) * up [q, I], one kernel."""
+    gate_up = gate_up.contiguous()
+    q, inner = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(q, inner, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(q, triton.cdiv(inner, block))](gate_up, out, inner, BLOCK=block, num_warps=4)
+    return out
