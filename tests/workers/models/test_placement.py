@@ -94,3 +94,28 @@ def test_the_multimodal_checkpoint_config_plans_its_language_model(hybrid_27b):
     plan = plan_split(composite, [GB48, GB48], torch.bfloat16, drafter_bytes=hybrid_27b[1])
     assert sum(name.startswith("model.layers.") for name in plan.device_map) == 64
     assert plan.device_map["lm_head"] == 1 and min(plan.free_bytes()) > 2 * GiB
+
+
+# -- tensor parallel ------------------------------------------------------------------------------------
+def test_27b_hybrid_tensor_parallel_plan_per_rank(hybrid_27b):
+    from workers.models.placement import plan_tensor_parallel
+
+    config, drafter = hybrid_27b
+    one = plan_tensor_parallel(config, 200 * GiB, 1, torch.bfloat16, drafter)
+    two = plan_tensor_parallel(config, GB48, 2, torch.bfloat16, drafter)
+    # sharded layers halve; the embedding (and norms, routers) stay whole on each rank
+    embedding = config.text_config.vocab_size * config.text_config.hidden_size * 2 if hasattr(
+        config, "text_config") else config.vocab_size * config.hidden_size * 2
+    assert one.weight_bytes / 2 < two.weight_bytes <= one.weight_bytes / 2 + embedding
+    assert two.state_bytes < one.state_bytes * 0.51  # K/V and GDN state of half the heads
+    assert two.drafter_bytes == drafter and two.free_bytes() > 0
+    with pytest.raises(BadInputError, match=r"tensor_parallel=2 leaves each GPU .* GiB short .*weights"):
+        plan_tensor_parallel(config, 24 * 10**9, 2, torch.bfloat16, drafter)
+
+
+def test_tensor_parallel_plan_refuses_a_head_count_that_does_not_divide(hybrid_27b):
+    from workers.models.placement import plan_tensor_parallel
+
+    config, drafter = hybrid_27b
+    with pytest.raises(BadInputError, match=r"tensor_parallel=3: the target's \w+=\d+ does not divide by 3"):
+        plan_tensor_parallel(config, GB48, 3, torch.bfloat16, drafter)

@@ -41,8 +41,10 @@ SETTINGS = (
     ("ddtree-8-d5-b1", ddtree.generate, TreeParams(budget=8, max_depth=5, branching=1)),
     ("ddtree-32", ddtree.generate, TreeParams(budget=32)),
 )
-# TP=4 shapes: every head count divides by 4 (head_dim 4 at hidden 32)
+# TP=4 (4 processes on a small CI machine are slow: fewer settings, the hybrids only) on shapes whose
+# head counts divide by 4 (head_dim 4 at hidden 32)
 WIDE = dict(num_heads=8, num_kv_heads=4, linear_key_heads=4, linear_value_heads=8, vocab_size=6, block_size=6)
+WIDE_SETTINGS = ("ar", "dflash-3", "ddtree-12-d3-b2")
 
 
 def prompts(vocab: int) -> list[torch.Tensor]:
@@ -59,12 +61,12 @@ def load_pair(target_dir: Path, drafter_dir: Path, tp: TPGroup | None = None):
     return model, drafter, make_target(model, drafter.spec.target_layer_ids, tp=tp)
 
 
-def decode_all(target, drafter, vocab: int) -> dict[str, list[list[int]]]:
-    """Greedy tokens per setting label and prompt."""
+def decode_all(target, drafter, vocab: int, labels: tuple[str, ...] | None = None) -> dict[str, list[list[int]]]:
+    """Greedy tokens per setting label (all, or ``labels``) and prompt."""
     config = GenerationConfig(max_new_tokens=MAX_NEW)
     return {label: [engine(target, None if params is None else drafter, p, config, params).token_ids
                     for p in prompts(vocab)]
-            for label, engine, params in SETTINGS}
+            for label, engine, params in SETTINGS if labels is None or label in labels}
 
 
 def same_on_every_rank(tp: TPGroup, tensor: torch.Tensor) -> bool:
@@ -72,14 +74,15 @@ def same_on_every_rank(tp: TPGroup, tensor: torch.Tensor) -> bool:
     return all(torch.equal(rows[0], row) for row in rows)
 
 
-def _rank_decodes(tp: TPGroup, pairs: list[tuple[str, str, str, int]], worker_pair: tuple[str, str] | None) -> dict:
+def _rank_decodes(tp: TPGroup, pairs: list[tuple[str, str, str, int]], worker_pair: tuple[str, str] | None,
+                  labels: tuple[str, ...] | None = None) -> dict:
     """One rank: every pair's decodes, whether prefill logits / taps agree bitwise, the Worker's lockstep stop."""
     torch.set_num_threads(1)
     results = {}
     for name, target_dir, drafter_dir, vocab in pairs:
         _, drafter, target = load_pair(Path(target_dir), Path(drafter_dir), tp)
         with torch.inference_mode():
-            tokens = decode_all(target, drafter, vocab)
+            tokens = decode_all(target, drafter, vocab, labels)
             target.start(capacity=64, max_verify=8)
             out = target.prefill(prompts(vocab)[1])
             identical = same_on_every_rank(tp, out.logits) and same_on_every_rank(tp, out.taps)
@@ -107,7 +110,7 @@ def _worker_trials(tp: TPGroup, target_dir: str, drafter_dir: str) -> dict:
     done = worker.run_trial(spec)
     stopped = worker.run_trial(spec, on_prompt=stop_after_first if tp.rank == 0 else None)
     return {"status": done.status.value, "tokens": [o.token_ids for o in done.outputs], "error": done.error,
-            "metrics": done.metrics, "stopped": stopped.status.value, "stopped_outputs": len(stopped.outputs)}
+            "metrics": done.metrics, "stopped": stopped.status.value}
 
 
 def check_group(outcomes, pairs, references: dict[str, dict[str, list[list[int]]]]) -> None:
@@ -138,20 +141,20 @@ def test_tp2_equals_one_process(tiny, tiny_hybrid, tiny_next):
         assert worker["status"] == "ok", worker["error"]
         assert worker["tokens"] == outcomes[0].value["worker"]["tokens"]
         assert worker["metrics"]["lossless_match"] == 1.0  # against its own (tensor-parallel) AR baseline
-        assert worker["stopped"] == "pruned" and worker["stopped_outputs"] == 1
+        assert worker["stopped"] == "pruned"  # on every rank, though only rank 0 had on_prompt
         assert "peak_memory_gib" in worker["metrics"]  # every rank returns its own memory trace
 
 
 def test_tp4_equals_one_process(tmp_path):
     pairs, references = [], {}
-    for arch in ("qwen3", "qwen3_5", "qwen3_next"):
+    for arch in ("qwen3_5", "qwen3_next"):
         shape = TinyShape(arch=arch, **WIDE)
         target_dir, drafter_dir = write_tiny_pair(tmp_path / arch, shape)
         _, drafter, target = load_pair(target_dir, drafter_dir)
         with torch.inference_mode():
-            references[arch] = decode_all(target, drafter, shape.vocab_size)
+            references[arch] = decode_all(target, drafter, shape.vocab_size, WIDE_SETTINGS)
         pairs.append((arch, str(target_dir), str(drafter_dir), shape.vocab_size))
-    outcomes = run_local_group(4, _rank_decodes, (pairs, None), timeout_s=60)
+    outcomes = run_local_group(4, _rank_decodes, (pairs, None, WIDE_SETTINGS), timeout_s=60)
     check_group(outcomes, pairs, references)
 
 
@@ -204,7 +207,8 @@ def test_each_shard_is_a_slice_of_the_model(request, fixture):
         assert attn.k_proj.out_features == cfg.num_key_value_heads // 2 * attn.head_dim
         if fixture != "tiny":
             mixer = model.model.layers[0].linear_attn
-            assert (mixer.num_k_heads, mixer.num_v_heads) == (cfg.linear_num_key_heads // 2, cfg.linear_num_value_heads // 2)
+            heads = (cfg.linear_num_key_heads // 2, cfg.linear_num_value_heads // 2)
+            assert (mixer.num_k_heads, mixer.num_v_heads) == heads
 
 
 def test_a_head_count_that_does_not_divide_is_refused(tiny):
