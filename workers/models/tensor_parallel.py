@@ -227,7 +227,7 @@ class VocabParallelHead(nn.Module):
         if head.bias is not None:
             raise BadInputError("tensor parallelism: an lm_head with a bias is not supported")
         self.tp = tp
-        self.vocab_size = head.weight.shape[0]
+        self.vocab_size = self.out_features = head.weight.shape[0]  # the logits' width, as nn.Linear's
         rows = -(-self.vocab_size // tp.world)  # per rank, padding included
         begin, end = tp.rank * rows, min((tp.rank + 1) * rows, self.vocab_size)
         local = torch.zeros(rows, head.weight.shape[1], dtype=head.weight.dtype, device=head.weight.device)
