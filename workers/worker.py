@@ -168,13 +168,11 @@ class Worker:
                                 f"rank(s); start one worker per rank and pass each its TPGroup")
         self.tp = tp if world > 1 else None
         if self.tp is not None:
-            placement = Placement(device=cfg.device)
+            self.model = self._load_shard(self.tp)
         else:
             placement = Placement(device=cfg.device, gpus=cfg.gpus, max_memory_per_gpu=cfg.max_memory_per_gpu,
                                   drafter_bytes=self._drafter_bytes())
-        self.model = load_target(cfg.target, cfg.dtype, placement, cfg.attn_implementation, cfg.local_files_only)
-        if self.tp is not None:
-            shard_model(self.model, self.tp)
+            self.model = load_target(cfg.target, cfg.dtype, placement, cfg.attn_implementation, cfg.local_files_only)
         self.tokenizer = load_tokenizer(cfg.target, cfg.local_files_only)
         taps: tuple[int, ...] = ()
         if cfg.drafter is not None:
@@ -186,10 +184,32 @@ class Worker:
         self.draft_graphs = DraftGraphStore() if self.drafter is not None and self.target.graphs else None
         return self
 
-    def _drafter_bytes(self) -> int:
-        """The drafter's weight bytes, reserved beside lm_head when the target is split (else 0)."""
+    def _load_shard(self, tp: TPGroup):
+        """This rank's shard of the target on this process's device. A checkpoint is read onto the CPU
+        (safetensors are memory-mapped, so the ranks share the page cache), cut, and only the shard
+        moves to the GPU: the whole model need not fit on one GPU. On CUDA the per-rank memory plan is
+        checked first (refused with the numbers). A random:<shape> target is built on the device."""
         cfg = self.config
-        if cfg.gpus <= 1 or cfg.drafter is None or ModelSource.parse(cfg.drafter).is_random:
+        device = Placement(device=cfg.device).resolve_device()
+        random_target = ModelSource.parse(cfg.target).is_random
+        if device.type == "cuda" and not random_target:
+            from transformers import AutoConfig
+
+            from workers.models.placement import plan_tensor_parallel
+
+            config = AutoConfig.from_pretrained(cfg.target, local_files_only=cfg.local_files_only)
+            plan_tensor_parallel(config, torch.cuda.get_device_properties(device).total_memory, tp.world,
+                                 parse_dtype(cfg.dtype), self._drafter_bytes(tensor_parallel=True))
+        staging = Placement(device=str(device) if random_target else "cpu")
+        model = load_target(cfg.target, cfg.dtype, staging, cfg.attn_implementation, cfg.local_files_only)
+        shard_model(model, tp)
+        return model.to(device)
+
+    def _drafter_bytes(self, tensor_parallel: bool = False) -> int:
+        """The drafter's weight bytes, reserved beside lm_head when the target is split or (every rank)
+        tensor-parallel; else 0."""
+        cfg = self.config
+        if (cfg.gpus <= 1 and not tensor_parallel) or cfg.drafter is None or ModelSource.parse(cfg.drafter).is_random:
             return 0
         spec = DrafterSpec.from_config_file(resolve_checkpoint_dir(cfg.drafter, cfg.local_files_only) / "config.json")
         return drafter_bytes_for(spec, parse_dtype(cfg.dtype))
