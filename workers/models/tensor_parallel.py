@@ -17,6 +17,11 @@ Every block then ends in a row-parallel projection whose outputs are partial sum
 after each (two per decoder layer), applied by the runner (``StaticTarget``) through ``TPGroup``
 before the residual is added. Each shard is a copy of a slice of the model's own weights.
 
+Lockstep: every decision an engine takes (acceptance, the tree, stopping) reads the target's or the
+drafter's logits, which come out of the gathered lm_head: each rank's columns computed by that rank
+alone, so the gathered tensor is bitwise the same everywhere. The taps are hidden states after an
+all-reduce, also bitwise the same. The (replicated) drafter therefore drafts the same tree on every rank.
+
     tp = join_group(rank, world, "tcp://127.0.0.1:29500")   # in each of the N processes
     shard_model(model, tp)                                  # in place
     target = make_target(model, taps, tp=tp)
