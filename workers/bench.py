@@ -14,6 +14,12 @@ With ``--json`` stdout holds exactly one JSON object: method, params, status, me
 acceptance_histogram, memory (peaks per device) and outputs (token_ids and acceptance_lengths per
 prompt). Bad flags or checkpoints that do not fit exit with status 2 and a one-line message; a trial
 that fails (out of memory, error) prints its result and exits with status 1.
+
+``--tensor-parallel N`` shards the target over N local processes (one GPU each with NCCL, or gloo on
+the CPU), every rank running the trial in lockstep; rank 0's result is printed::
+
+    python -m workers.bench --target models/tiny/target --drafter models/tiny/drafter --method ddtree \
+        --tree-budget 32 --prompts models/tiny/prompts.jsonl --dtype float32 --device cpu --tensor-parallel 2
 """
 
 from __future__ import annotations
@@ -94,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-baseline", action="store_true", help="skip the AR baseline (no speedup / lossless_match)")
     p.add_argument("--stage-timing", action="store_true",
                    help="time each round stage (share_* metrics); synchronises the device, so it slows decoding")
+    p.add_argument("--tensor-parallel", type=_positive("--tensor-parallel"), default=1,
+                   help="shard the target over N local processes (one GPU each; gloo on the CPU)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return p
 
@@ -123,10 +131,43 @@ def main(argv: list[str] | None = None) -> int:
     params = _method_params(args, parser)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    from workers.worker import TrialStatus
 
+    if args.tensor_parallel > 1:
+        from workers.local_group import run_local_group
+
+        outcomes = run_local_group(args.tensor_parallel, _bench_rank, (args, params))
+        failed = [o for o in outcomes if not o.ok]
+        if failed:
+            print(f"workers.bench: tensor-parallel rank {failed[0].rank} failed: {failed[0].error}", file=sys.stderr)
+            return 1
+        kind, payload = outcomes[0].value
+    else:
+        kind, payload = _bench(args, params)
+    if kind == "bad_input":
+        print(f"workers.bench: error: {payload}", file=sys.stderr)
+        return 2
+    result = payload
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        _print_table(result)
+    if result.status is not TrialStatus.OK:
+        print(f"workers.bench: trial {result.status.value}: {result.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _bench_rank(tp, args: argparse.Namespace, params: MethodParams):
+    """One rank of ``--tensor-parallel N`` (``workers.local_group``): the same trial on every rank."""
+    return _bench(args, params, tp)
+
+
+def _bench(args: argparse.Namespace, params: MethodParams, tp=None):
+    """Load and run the trial: ("result", TrialResult) or ("bad_input", message). ``tp``: this rank."""
     from workers.models.loading import thinking_warning
     from workers.prompts import PromptSource, load_source
-    from workers.worker import TrialSpec, TrialStatus, Worker, WorkerConfig
+    from workers.worker import TrialSpec, Worker, WorkerConfig
 
     try:
         random_prompts = args.prompts is None and args.dataset is None  # a random:<shape> target
@@ -134,12 +175,13 @@ def main(argv: list[str] | None = None) -> int:
             prompts = load_source(PromptSource(args.prompts, args.dataset, args.split, args.limit, args.sample_seed))
         config = WorkerConfig(target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device,
                               chat_template=not args.no_chat_template, enable_thinking=args.enable_thinking,
-                              cuda_graphs=not args.no_cuda_graphs, compile_layers=args.compile_layers)
+                              cuda_graphs=not args.no_cuda_graphs, compile_layers=args.compile_layers,
+                              tensor_parallel=args.tensor_parallel)
         warning = thinking_warning(args.drafter, args.enable_thinking)
-        if warning:
+        if warning and (tp is None or tp.rank == 0):
             print(warning, file=sys.stderr)
         worker = Worker(config)
-        worker.load()
+        worker.load(tp)
         if random_prompts:
             rows = worker.model.get_input_embeddings().weight.shape[0]
             prompts = _random_prompts(args.limit or 4, args.prompt_length, rows - 1, args.seed)
@@ -149,8 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as exc:
                 raise BadInputError(f"{knob.flag}: {exc}") from None
     except BadInputError as exc:
-        print(f"workers.bench: error: {exc}", file=sys.stderr)
-        return 2
+        return "bad_input", str(exc)
 
     spec = TrialSpec(
         params=params,
@@ -162,15 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         stage_timing=args.stage_timing,
         baseline=not args.no_baseline,
     )
-    result = worker.run_trial(spec)
-    if args.json:
-        print(json.dumps(result.to_json()))
-    else:
-        _print_table(result)
-    if result.status is not TrialStatus.OK:
-        print(f"workers.bench: trial {result.status.value}: {result.error}", file=sys.stderr)
-        return 1
-    return 0
+    return "result", worker.run_trial(spec)
 
 
 def _random_prompts(count: int, length: int, vocab: int, seed: int) -> list:

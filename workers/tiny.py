@@ -31,6 +31,8 @@ class TinyShape:
     block_size: int = 8
     init_std: float = 0.25
     arch: str = "qwen3"  # or "qwen3_5" / "qwen3_next": Gated DeltaNet layers alternating with attention
+    linear_key_heads: int = 2  # hybrids: Gated DeltaNet key heads
+    linear_value_heads: int = 4  # hybrids: Gated DeltaNet value heads (a multiple of the key heads)
 
 
 ARCHES = ("qwen3", "qwen3_5", "qwen3_next")
@@ -44,8 +46,8 @@ def tiny_target_config(shape: TinyShape) -> dict:
         return config
     hybrid = {
         "layer_types": ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(shape.num_layers)],
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
+        "linear_num_key_heads": shape.linear_key_heads,
+        "linear_num_value_heads": shape.linear_value_heads,
         "linear_key_head_dim": 8,
         "linear_value_head_dim": 8,
         "linear_conv_kernel_dim": 4,

@@ -6,6 +6,11 @@ the GPU-memory tracer, and returns a ``TrialResult`` with the metrics of DESIGN.
 on the same prompts and generation settings is measured once and cached. A CUDA out-of-memory error
 becomes a result with status "oom" (memory freed, worker still usable); any other exception becomes
 status "error" with its message. Ray wraps this class in the orchestrator; it does not need Ray.
+
+Tensor parallel (``tensor_parallel = N``): N workers, one per rank of a ``TPGroup``, each call
+``load(tp)`` (every rank loads the whole model on its own device, keeps its shard, and loads the
+drafter whole) and then ``run_trial`` with the same spec. Every rank runs the same rounds in
+lockstep; only rank 0 gets ``on_prompt``, and its stop decision is broadcast after each prompt.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from workers.models.loading import (
 )
 from workers.models.placement import drafter_bytes_for
 from workers.models.static_target import make_target
+from workers.models.tensor_parallel import TPGroup, shard_model
 from workers.prompts import ChatFormat, Prompt, encode, stop_token_ids
 
 WARMUP_TOKENS = 16
@@ -75,6 +81,7 @@ class WorkerConfig:
     enable_thinking: bool = False  # only for targets whose template has the switch
     cuda_graphs: bool = True  # replay verify passes as CUDA graphs (a whole target on one GPU); False to debug
     compile_layers: bool = False  # torch.compile the decoder layers too (~30% faster forwards, ~1 min per pass width)
+    tensor_parallel: int = 1  # ranks the target is sharded over (one process and device each; see load(tp))
 
 
 @dataclass(frozen=True)
@@ -148,12 +155,24 @@ class Worker:
         self.tokenizer = None
         self._baselines: dict[str, list[GenerationOutput]] = {}
         self._state_bytes: int | None = None  # peak tree_state_bytes of the last _generate_all (hybrids)
+        self.tp: TPGroup | None = None  # this worker's rank in a tensor-parallel group (None: alone)
 
-    def load(self) -> Worker:
+    def load(self, tp: TPGroup | None = None) -> Worker:
+        """Load target and drafter. ``tp``: this process's rank of a tensor-parallel group of
+        ``config.tensor_parallel`` ranks; the target goes whole onto this process's device (its GPU as
+        cuda:0, or the CPU) and is then cut to this rank's shard."""
         cfg = self.config
-        placement = Placement(device=cfg.device, gpus=cfg.gpus, max_memory_per_gpu=cfg.max_memory_per_gpu,
-                              drafter_bytes=self._drafter_bytes())
-        self.model = load_target(cfg.target, cfg.dtype, placement, cfg.attn_implementation, cfg.local_files_only)
+        world = 1 if tp is None else tp.world
+        if world != cfg.tensor_parallel:
+            raise BadInputError(f"tensor_parallel={cfg.tensor_parallel} but this worker was given a group of {world} "
+                                f"rank(s); start one worker per rank and pass each its TPGroup")
+        self.tp = tp if world > 1 else None
+        if self.tp is not None:
+            self.model = self._load_shard(self.tp)
+        else:
+            placement = Placement(device=cfg.device, gpus=cfg.gpus, max_memory_per_gpu=cfg.max_memory_per_gpu,
+                                  drafter_bytes=self._drafter_bytes())
+            self.model = load_target(cfg.target, cfg.dtype, placement, cfg.attn_implementation, cfg.local_files_only)
         self.tokenizer = load_tokenizer(cfg.target, cfg.local_files_only)
         taps: tuple[int, ...] = ()
         if cfg.drafter is not None:
@@ -161,14 +180,36 @@ class Worker:
             taps = self.drafter.spec.target_layer_ids
         tap_device = self.drafter.fc.weight.device if self.drafter else None
         self.target = make_target(self.model, taps, tap_device, graphs=None if cfg.cuda_graphs else False,
-                                  compile_layers=cfg.compile_layers)
+                                  compile_layers=cfg.compile_layers, tp=self.tp)
         self.draft_graphs = DraftGraphStore() if self.drafter is not None and self.target.graphs else None
         return self
 
-    def _drafter_bytes(self) -> int:
-        """The drafter's weight bytes, reserved beside lm_head when the target is split (else 0)."""
+    def _load_shard(self, tp: TPGroup):
+        """This rank's shard of the target on this process's device. A checkpoint is read onto the CPU
+        (safetensors are memory-mapped, so the ranks share the page cache), cut, and only the shard
+        moves to the GPU: the whole model need not fit on one GPU. On CUDA the per-rank memory plan is
+        checked first (refused with the numbers). A random:<shape> target is built on the device."""
         cfg = self.config
-        if cfg.gpus <= 1 or cfg.drafter is None or ModelSource.parse(cfg.drafter).is_random:
+        device = Placement(device=cfg.device).resolve_device()
+        random_target = ModelSource.parse(cfg.target).is_random
+        if device.type == "cuda" and not random_target:
+            from transformers import AutoConfig
+
+            from workers.models.placement import plan_tensor_parallel
+
+            config = AutoConfig.from_pretrained(cfg.target, local_files_only=cfg.local_files_only)
+            plan_tensor_parallel(config, torch.cuda.get_device_properties(device).total_memory, tp.world,
+                                 parse_dtype(cfg.dtype), self._drafter_bytes(tensor_parallel=True))
+        staging = Placement(device=str(device) if random_target else "cpu")
+        model = load_target(cfg.target, cfg.dtype, staging, cfg.attn_implementation, cfg.local_files_only)
+        shard_model(model, tp)
+        return model.to(device)
+
+    def _drafter_bytes(self, tensor_parallel: bool = False) -> int:
+        """The drafter's weight bytes, reserved beside lm_head when the target is split or (every rank)
+        tensor-parallel; else 0."""
+        cfg = self.config
+        if (cfg.gpus <= 1 and not tensor_parallel) or cfg.drafter is None or ModelSource.parse(cfg.drafter).is_random:
             return 0
         spec = DrafterSpec.from_config_file(resolve_checkpoint_dir(cfg.drafter, cfg.local_files_only) / "config.json")
         return drafter_bytes_for(spec, parse_dtype(cfg.dtype))
@@ -179,7 +220,10 @@ class Worker:
 
     def run_trial(self, spec: TrialSpec, on_prompt=None) -> TrialResult:
         """``on_prompt(outputs, baseline)`` (optional) runs after each prompt with the outputs so far;
-        raising ``TrialStopped`` there ends the trial with status "pruned" (early stopping)."""
+        raising ``TrialStopped`` there ends the trial with status "pruned" (early stopping).
+
+        Tensor parallel: every rank calls this with the same spec; rank 0 passes ``on_prompt``, the
+        others None, and all stop together (rank 0's decision is broadcast after each prompt)."""
         started = time.perf_counter()
         tracer = MemoryTracer(interval_ms=self.config.memory_interval_ms)
         status, error, outputs, metrics, baseline = TrialStatus.OK, None, [], {}, None
@@ -193,7 +237,7 @@ class Worker:
                     os._exit(17)
                 prompts, gen = self._prepare(spec)
                 baseline = self._baseline(spec, prompts, gen) if spec.baseline else None
-                outputs = self._generate_all(spec, prompts, gen, on_prompt, baseline)
+                outputs = self._generate_all(spec, prompts, gen, on_prompt, baseline, lockstep=True)
                 state_bytes = self._state_bytes
             metrics = summarize(outputs, baseline, greedy=gen.temperature < 1e-5)
             metrics |= per_category(spec.prompts, outputs, baseline)
@@ -242,7 +286,9 @@ class Worker:
         return prompts, gen
 
     def _generate_all(self, spec: TrialSpec, prompts: list[torch.Tensor], gen: GenerationConfig, on_prompt=None,
-                      baseline: list[GenerationOutput] | None = None) -> list[GenerationOutput]:
+                      baseline: list[GenerationOutput] | None = None, lockstep: bool = False) -> list[GenerationOutput]:
+        """Every prompt of the trial; ``lockstep``: the trial's own run, where (tensor parallel) every rank
+        takes rank 0's stop decision after each prompt."""
         entry = METHODS[spec.method]
         drafter = self.drafter if entry.needs_drafter else None
         graphs = self.draft_graphs if entry.needs_drafter else None
@@ -261,10 +307,23 @@ class Worker:
             # Repeats give the same tokens (same seed); only the times differ, and the median one counts.
             outputs.append(median_run([measure(prompt_ids, prompt_gen) for _ in range(max(spec.repeats, 1))]))
             state_bytes = max(state_bytes, getattr(self.target, "peak_state_bytes", 0))
-            if on_prompt is not None:
-                on_prompt(outputs, baseline[: len(outputs)] if baseline is not None else None)
+            self._after_prompt(outputs, baseline, on_prompt, lockstep)
         self._state_bytes = state_bytes if getattr(self.target, "linear_ids", ()) else None
         return outputs
+
+    def _after_prompt(self, outputs: list[GenerationOutput], baseline: list[GenerationOutput] | None, on_prompt,
+                      lockstep: bool) -> None:
+        """Run ``on_prompt``; with tensor parallelism every rank then stops iff rank 0 stopped."""
+        stopped: BaseException | None = None
+        if on_prompt is not None:
+            try:
+                on_prompt(outputs, baseline[: len(outputs)] if baseline is not None else None)
+            except Exception as exc:  # TrialStopped (or a failure): the other ranks must stop too
+                stopped = exc
+        if self.tp is not None and lockstep and self.tp.broadcast_flag(stopped is not None) and stopped is None:
+            stopped = TrialStopped("stopped early by rank 0 of the tensor-parallel group")
+        if stopped is not None:
+            raise stopped
 
     def _baseline(self, spec: TrialSpec, prompts: list[torch.Tensor], gen: GenerationConfig) -> list[GenerationOutput]:
         """AR on the same prompts and settings, measured once per worker and reused."""

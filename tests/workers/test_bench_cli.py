@@ -113,3 +113,23 @@ def test_bad_prompts_file_exits_2(files, tmp_path):
 def test_missing_target_exits_2(files, tmp_path):
     proc = _run("--target", str(tmp_path / "absent"), "--prompts", files["prompts"], "--method", "ar")
     assert proc.returncode == 2 and "absent" in proc.stderr
+
+
+def test_tensor_parallel_two_local_ranks_give_the_greedy_output(files, tiny):
+    """``--tensor-parallel 2``: two gloo processes, rank 0's result, the same tokens as greedy AR in one process."""
+    import torch
+
+    from workers.decoding import ar
+    from workers.decoding.generation import GenerationConfig
+
+    proc = _run(*_base(files, "--method", "ddtree", "--tree-budget", "16", "--limit", "2", "--json",
+                       "--tensor-parallel", "2"))
+    assert proc.returncode == 0, proc.stderr
+    payload = json.loads(proc.stdout)
+    assert payload["status"] == "ok" and payload["metrics"]["lossless_match"] == 1.0
+    lines = Path(files["prompts"]).read_text().splitlines()[:2]
+    config = GenerationConfig(max_new_tokens=12, stop_token_ids=(0,))  # the tiny target's eos
+    with torch.inference_mode():
+        expected = [ar.generate(tiny.target, None, torch.tensor([json.loads(line)["input_ids"]]), config).token_ids
+                    for line in lines]
+    assert [o["token_ids"] for o in payload["outputs"]] == expected

@@ -108,7 +108,8 @@ def record(target, drafter, prompt_ids: torch.Tensor, config: GenerationConfig, 
     embed = target.model.get_input_embeddings()
     lm_head = target.model.get_output_embeddings()
     mask_id = drafter.spec.mask_token_id
-    k = min(top_k, lm_head.weight.shape[0])
+    vocab = lm_head.out_features  # (a tensor-parallel lm_head holds fewer rows but gives all V logits)
+    k = min(top_k, vocab)
     top_vals, top_ids, matches = [], [], []
     continuation = torch.tensor(tokens, dtype=torch.long)
     new_context = prefill.taps  # [1, T, k*H]
@@ -130,7 +131,7 @@ def record(target, drafter, prompt_ids: torch.Tensor, config: GenerationConfig, 
         chain_matches=torch.tensor(matches, dtype=torch.long),
         max_new_tokens=config.max_new_tokens,
         stop_token_ids=tuple(config.stop_token_ids),
-        vocab_size=int(lm_head.weight.shape[0]),
+        vocab_size=int(vocab),
     )
 
 

@@ -17,10 +17,15 @@ residual sums inside the output projections' matrix products, and K and V writte
 The fused matrices are built once per layer and the model's own ``q_proj.weight`` (etc.) become
 views into them, so no weight is stored twice and transformers' forward still sees the same values.
 Layers of any other shape (gated or partial-rotary attention, MoE) keep transformers' modules.
+
+Under tensor parallelism (``workers.models.tensor_parallel``) the layer holds this rank's heads and
+MLP columns: head counts come from the (sharded) weight shapes, and ``reduce`` (an all-reduce) sums
+the partial outputs of o_proj and down_proj over the ranks before the residual is added.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,11 +67,13 @@ class PassInputs:
 class FusedLayer:
     """One decoder layer's weights regrouped for few kernels; see the module docstring."""
 
-    def __init__(self, layer: nn.Module, config) -> None:
+    def __init__(self, layer: nn.Module, config, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.head_dim = attn.head_dim
-        self.query_heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
+        # this process's heads (all of them, or one rank's share of a tensor-parallel model)
+        self.query_heads = attn.q_proj.out_features // attn.head_dim
+        self.kv_heads = attn.k_proj.out_features // attn.head_dim
+        self.reduce = reduce  # sums row-parallel partial outputs over ranks; None: one process
         self.scale = attn.scaling
         self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.o_proj, self.down_proj = attn.o_proj, mlp.down_proj
@@ -88,12 +95,13 @@ class FusedLayer:
             return False
         if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
             return False
-        head_dim = attn.head_dim
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         if hasattr(attn, "q_norm"):
             norms += [attn.q_norm, attn.k_norm]
+        # no output gate folded into q_proj: query rows per K/V row as the config's heads (sharding keeps the ratio)
+        q_rows, kv_rows = attn.q_proj.out_features, attn.k_proj.out_features
         return (
-            attn.q_proj.out_features == config.num_attention_heads * head_dim  # no output gate folded in
+            q_rows * config.num_key_value_heads == kv_rows * config.num_attention_heads
             and getattr(config, "partial_rotary_factor", 1.0) == 1.0
             and all(type(norm).__name__ in PLAIN_NORMS for norm in norms)
             and getattr(config, "hidden_act", None) == "silu"
@@ -120,14 +128,20 @@ class FusedLayer:
         # fold each K/V head's query heads into rows: [Hkv, g*q, D], row r*q + t = head kv*g + r, node t
         folded = heads[:, :hq].transpose(0, 1).reshape(hkv, (hq // hkv) * q, d)
         out = attend_folded(folded, kv[0, 0, :, :attend], kv[1, 0, :, :attend], inputs.mask, self.scale)
-        residual = _linear_plus(residual, out.reshape(hq, q, d).transpose(0, 1).reshape(q, hq * d), self.o_proj)
+        residual = _linear_plus(residual, out.reshape(hq, q, d).transpose(0, 1).reshape(q, hq * d), self.o_proj,
+                                self.reduce)
         gate_up = F.linear(_rms_norm(residual, self.post_norm), self.gate_up_weight)
         activated = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-        return _linear_plus(residual, activated, self.down_proj).unsqueeze(0)
+        return _linear_plus(residual, activated, self.down_proj, self.reduce).unsqueeze(0)
 
 
-def _linear_plus(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-    """residual + linear(x) for 2-D operands, the sum in the matrix product's epilogue (one kernel)."""
+def _linear_plus(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """residual + linear(x) for 2-D operands, the sum in the matrix product's epilogue (one kernel).
+
+    With ``reduce`` (tensor parallel) linear(x) is this rank's partial sum: reduced first, then added."""
+    if reduce is not None:
+        return residual + reduce(F.linear(x, linear.weight, linear.bias))
     if linear.bias is not None:
         return residual + linear(x)
     return torch.addmm(residual, x, linear.weight.t())
@@ -152,16 +166,19 @@ def fuse_rows(modules: tuple[nn.Linear, ...], name: str) -> torch.Tensor | None:
     return stacked
 
 
-def fused_layer_for(layer: nn.Module, config) -> FusedLayer | None:
+def fused_layer_for(layer: nn.Module, config,
+                    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> FusedLayer | None:
     """The layer's ``FusedLayer`` (made once and kept on the layer: its weights are views), or None.
 
-    Made again if the model's weights stopped being views of it (the model was moved or cast since).
+    Made again if the model's weights stopped being views of it (the model was moved, cast or
+    sharded since). ``reduce``: see ``FusedLayer``.
     """
     existing = getattr(layer, "_fused_layer", None)
     if existing is not None and existing.is_current(layer):
+        existing.reduce = reduce
         return existing
     if not FusedLayer.supports(layer, config):
         return None
-    fused = FusedLayer(layer, config)
+    fused = FusedLayer(layer, config, reduce)
     layer._fused_layer = fused  # a plain attribute (not a submodule): no second state_dict entry
     return fused

@@ -10,9 +10,14 @@ with ``workers.models.deltanet``'s tree forms, so every node continues its paren
 recurrent state. The state itself (conv window [K-1, C], recurrent state [H, dk, dv]) belongs to the
 runner, which passes it in; a pass leaves a ``PendingLayer`` (the nodes' conv inputs, decays and
 betas) and ``commit`` replays the accepted path from it into that state, in place.
+
+Under tensor parallelism the mixer holds one rank's heads (``workers.models.tensor_parallel``): the
+state is that of the local heads, and ``reduce`` (an all-reduce) sums out_proj's partial output.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,8 +43,9 @@ from workers.models.fused_layer import fuse_rows
 class GDNLayer:
     """The token mixer of one linear-attention decoder layer; see the module docstring."""
 
-    def __init__(self, mixer: nn.Module) -> None:
+    def __init__(self, mixer: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.mixer = mixer
+        self.reduce = reduce  # sums out_proj's row-parallel partial output over ranks; None: one process
         self.window = mixer.conv_kernel_size - 1
         self.conv_dim = mixer.conv_dim
         self.state_shape = (mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim)
@@ -53,12 +59,13 @@ class GDNLayer:
         # the Triton kernels (conv prologue, tree solve, gated norm) on CUDA when the heads fit their tiles
         weight = mixer.conv1d.weight
         self.device = weight.device
+        self.conv_weight = weight  # the weights this object was made for (replaced when the model is sharded)
         self.kernels = (weight.is_cuda and mixer.head_k_dim == mixer.head_v_dim
                         and kernel_fits(mixer.head_k_dim, mixer.head_v_dim) and triton_available())
 
     def is_current(self) -> bool:
         """Whether the mixer's projection weights are still views of this object's fused matrix."""
-        if self.mixer.conv1d.weight.device != self.device:
+        if self.mixer.conv1d.weight is not self.conv_weight or self.mixer.conv1d.weight.device != self.device:
             return False
         return self.projection is None or self.mixer.in_proj_qkv.weight.data_ptr() == self.projection.data_ptr()
 
@@ -98,7 +105,7 @@ class GDNLayer:
         else:
             pending = PendingLayer(extended, shape.lag_index, log_gate, beta)
         out = mixer.norm(out.to(hidden.dtype).reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
-        return mixer.out_proj(out.reshape(1, q, -1)), pending
+        return self._reduced(mixer.out_proj(out.reshape(1, q, -1))), pending
 
     def _with_kernels(self, hidden, shape: TreeShape, conv_window, state, commit: bool):
         """``__call__`` through the Triton kernels: one projection, one conv prologue, the tree or chunked
@@ -129,7 +136,10 @@ class GDNLayer:
         else:
             pending = PendingLayer(extended, shape.lag_index, log_gate, beta)
         normed = gated_norm(out.contiguous(), z, mixer.norm.weight, mixer.norm.variance_epsilon, hidden.dtype)
-        return mixer.out_proj(normed).unsqueeze(0), pending
+        return self._reduced(mixer.out_proj(normed).unsqueeze(0)), pending
+
+    def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial if self.reduce is None else self.reduce(partial)
 
     def commit(self, pending: PendingLayer, path: torch.Tensor, conv_window: torch.Tensor, state: torch.Tensor) -> None:
         """Advance (conv_window, state) in place over the nodes ``path`` (root ... accepted node) of
@@ -176,12 +186,14 @@ def _project(mixer: nn.Module, hidden: torch.Tensor):
     return mixer.in_proj_qkv(hidden), z, mixer.in_proj_b(hidden), mixer.in_proj_a(hidden)
 
 
-def gdn_layer_for(mixer: nn.Module) -> GDNLayer:
+def gdn_layer_for(mixer: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> GDNLayer:
     """The mixer's ``GDNLayer``, made once and kept on the mixer (its fused projection is what the
-    mixer's weights view); made again if they stopped being views of it (the model was moved or cast)."""
+    mixer's weights view); made again if they stopped being views of it (the model was moved, cast
+    or sharded). ``reduce``: see ``GDNLayer``."""
     existing = getattr(mixer, "_gdn_layer", None)
     if existing is not None and existing.is_current():
+        existing.reduce = reduce
         return existing
-    layer = GDNLayer(mixer)
+    layer = GDNLayer(mixer, reduce)
     mixer._gdn_layer = layer  # a plain attribute (not a submodule): no second state_dict entry
     return layer

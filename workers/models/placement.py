@@ -18,6 +18,10 @@ first long prompt:
 Weights are then balanced so every GPU keeps a similar amount free, and the finished map is
 checked module by module against each GPU's size; a plan that does not fit is refused with the
 numbers, before anything is loaded.
+
+A tensor-parallel target (``plan_tensor_parallel``) is instead cut into N equal shards, one per GPU:
+each rank holds 1/N of every layer's sharded weights plus the replicated ones (norms, embedding,
+routers), the state of its own heads, the full gathered logits, and a whole drafter.
 """
 
 from __future__ import annotations
@@ -212,3 +216,83 @@ def drafter_bytes_for(spec, dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
     return sum(p.numel() for p in drafter.parameters()) * element
 
+
+
+# -- tensor parallel: one GPU per rank, every rank holding 1/N of each layer ------------------------------
+COMMUNICATION_BYTES = 512 * 2**20  # NCCL's channel buffers and its share of the captured graphs' pool
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """What each rank's GPU holds (all ranks alike: the shards are equal and the rest replicated)."""
+
+    world: int
+    gpu_bytes: int
+    weight_bytes: int  # this rank's shard of the target (sharded parts / N, replicated parts whole)
+    state_bytes: int  # K/V of the local K/V heads, GDN state and tree data of the local heads
+    head_bytes: int  # the verify pass's gathered logits and activations (and each kept graph's logits)
+    graph_bytes: int  # the captured verify graphs' pools beyond their outputs (one per kept width)
+    drafter_bytes: int  # the drafter, replicated on every rank
+
+    @property
+    def reserve_bytes(self) -> int:
+        return FIXED_BYTES + COMMUNICATION_BYTES + self.state_bytes + self.head_bytes + self.graph_bytes
+
+    def free_bytes(self) -> int:
+        return self.gpu_bytes - self.weight_bytes - self.drafter_bytes - self.reserve_bytes
+
+    def describe(self) -> str:
+        parts = {"weights": self.weight_bytes, "drafter": self.drafter_bytes, "caches+tree": self.state_bytes,
+                 "logits+activations": self.head_bytes, "graphs": self.graph_bytes,
+                 "runtime": FIXED_BYTES + COMMUNICATION_BYTES, "free": self.free_bytes()}
+        return f"per rank of {self.world}, GPU {self.gpu_bytes / GiB:.1f} GiB: " + ", ".join(
+            f"{name} {size / GiB:.2f} GiB" for name, size in parts.items())
+
+
+def plan_tensor_parallel(
+    config,
+    gpu_bytes: int,
+    world: int,
+    dtype: torch.dtype = torch.bfloat16,
+    drafter_bytes: int = 0,
+    budget: RunBudget = RunBudget(),
+) -> TensorParallelPlan:
+    """Each rank's memory for a target of ``config`` sharded over ``world`` GPUs of ``gpu_bytes``
+    each, or BadInputError with the numbers (also when a head count does not divide by ``world``).
+
+    The weights are counted by sharding a meta-device copy with the same code the ranks run.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from workers.models.tensor_parallel import TPGroup, check_divisible, shard_model
+
+    cfg = text_config(config)
+    check_divisible(cfg, world)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    shard_model(model, TPGroup(0, world))  # meta tensors: no memory, no collective
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    local = _local_config(cfg, world)
+    layer_types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
+    state = sum(layer_state_bytes(local, kind, budget, dtype) for kind in layer_types)
+    graphs = budget.graph_widths * graph_activation_bytes(local, budget, dtype)  # each kept width's own pool
+    plan = TensorParallelPlan(world, gpu_bytes, weights, state, head_bytes(local, budget, dtype), graphs,
+                              drafter_bytes)
+    if plan.free_bytes() < 0:
+        raise BadInputError(f"tensor_parallel={world} leaves each GPU {-plan.free_bytes() / GiB:.1f} GiB short "
+                            f"({plan.describe()}); use more GPUs, a smaller dtype or a smaller run budget")
+    return plan
+
+
+def _local_config(cfg, world: int):
+    """A copy of the text config with one rank's head counts and MLP width (the vocabulary stays whole:
+    every rank holds the gathered logits)."""
+    import copy
+
+    local = copy.copy(cfg)
+    local.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    for name in ("num_key_value_heads", "num_attention_heads", "linear_num_key_heads", "linear_num_value_heads",
+                 "intermediate_size"):
+        if getattr(cfg, name, None):
+            setattr(local, name, getattr(cfg, name) // world)
+    return local

@@ -31,6 +31,12 @@ segment, the hidden state and the pass's shared inputs handed to the next segmen
 (``segment_starts`` forces more segments, e.g. two on one GPU to test this); its full prompt chunks
 replay segment graphs the same way, and its commit is one graph per device, the accepted path handed
 to each device's copy of the commit inputs first.
+
+A tensor-parallel target (``tp``, ``workers.models.tensor_parallel``; one device per rank) runs the
+same loop on every rank over that rank's heads and MLP columns: K/V buffers and GDN state hold the
+local heads, and each block's row-parallel output (attention / GDN out_proj, MLP down_proj) is
+all-reduced before the residual is added, so the hidden states, taps and (gathered) logits are the
+same on every rank. With graphs the collectives are captured inside each rank's graphs.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from workers.models.fused_hybrid import fused_hybrid_layer_for
 from workers.models.fused_layer import PassInputs, fused_layer_for
 from workers.models.gdn_layer import gdn_layer_for
 from workers.models.graph_cache import GraphCache, capture
+from workers.models.tensor_parallel import TPGroup
 from workers.seam import DraftTree, VerifyOutput, check_supported, text_config
 
 MAX_VERIFY_GRAPHS = 4  # verify widths kept captured (a trial uses 1 for AR, n+1, or B+1)
@@ -103,6 +110,7 @@ class StaticTarget:
         graphs: bool = False,
         compile_layers: bool = False,
         segment_starts: tuple[int, ...] = (),
+        tp: TPGroup | None = None,
     ) -> None:
         check_supported(model.config)
         self.model = model
@@ -124,6 +132,11 @@ class StaticTarget:
             raise UnsupportedModelError("CUDA graphs need every part of the target on CUDA devices")
         self.graphs = graphs
         self.one_device = len(devices) == 1
+        self.tp = tp if tp is not None and tp.world > 1 else None
+        if self.tp is not None and not self.one_device:
+            raise UnsupportedModelError("a tensor-parallel target keeps each rank's share on one device")
+        # sums a row-parallel projection's partial outputs over the ranks (None: one process)
+        self.reduce = self.tp.all_reduce_ if self.tp is not None else None
         # segments: runs of layers on one device (plus any forced starts); with graphs, one graph per
         # segment and pass width, the hidden state handed from segment to segment between replays
         count = len(self.layers)
@@ -133,11 +146,12 @@ class StaticTarget:
         # experimental: torch.compile fuses the layers' small elementwise kernels (norms, rotary, gates)
         self._run_layers = torch.compile(self._layers, dynamic=False) if compile_layers else self._layers
         # plain attention layers run as FusedLayer, gated ones as GatedAttentionLayer (few kernels each);
-        # GDN layers' norms and MLP as HybridLinearLayer; anything else through transformers' modules
-        self.fused = {i: fused_layer_for(self.layers[i], self.config) or fused_hybrid_layer_for(self.layers[i])
-                      for i in self.attention_ids}
-        self.linear_blocks = {i: fused_hybrid_layer_for(self.layers[i]) for i in self.linear_ids}
-        self.gdn = {i: gdn_layer_for(self.layers[i].linear_attn) for i in self.linear_ids}
+        # GDN layers' norms and MLP as HybridLinearLayer; anything else through transformers' modules.
+        # ``reduce`` sums each row-parallel output over the ranks (tensor parallelism; None: one process)
+        self.fused = {i: fused_layer_for(self.layers[i], self.config, self.reduce)
+                      or fused_hybrid_layer_for(self.layers[i], self.reduce) for i in self.attention_ids}
+        self.linear_blocks = {i: fused_hybrid_layer_for(self.layers[i], self.reduce) for i in self.linear_ids}
+        self.gdn = {i: gdn_layer_for(self.layers[i].linear_attn, self.reduce) for i in self.linear_ids}
         if self.attention_ids:  # transformers renamed the attention modules' ``past_key_values`` to ``cache``
             params = inspect.signature(self.layers[self.attention_ids[0]].self_attn.forward).parameters
             self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -179,8 +193,11 @@ class StaticTarget:
         capacity = -(-(capacity + max_verify) // 1024) * 1024
         self.capacity = capacity
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = cfg.num_key_value_heads  # this process's K/V heads: all, or one rank's share
+        if self.attention_ids:
+            kv_heads = self.layers[self.attention_ids[0]].self_attn.k_proj.out_features // head_dim
         self.kv = _KVBuffers({i: self.layer_devices[i] for i in self.attention_ids},
-                             (1, cfg.num_key_value_heads, capacity, head_dim), self.dtype)
+                             (1, kv_heads, capacity, head_dim), self.dtype)
         self.conv_windows: dict[int, torch.Tensor] = {}
         self.states: dict[int, torch.Tensor] = {}
         for i in self.linear_ids:
@@ -259,6 +276,7 @@ class StaticTarget:
             live = [*self.states.values(), *self.conv_windows.values()]
             saved = [t.clone() for t in live]  # capture's warm-ups run the pass, advancing the GDN state
             static = (self._prefill_ids, self._prefill_depths, *self._prefill_shape)
+            failed = False
             try:
                 if len(self.segments) == 1:
                     self._prefill_graph = capture(lambda: self._forward(*static, last_only=True,
@@ -269,10 +287,12 @@ class StaticTarget:
             except RuntimeError as exc:  # as for a verify pass: run eagerly from here on
                 warnings.warn(f"CUDA graph capture failed ({type(exc).__name__}: {str(exc)[:200]}); running eagerly",
                               stacklevel=3)
-                self.graphs = False
+                failed = True
             finally:
                 for tensor, copy in zip(live, saved):
                     tensor.copy_(copy)
+            if self._any_rank(failed):  # every rank runs eagerly if one must
+                self.graphs, self._prefill_graph = False, None
             if not self.graphs:
                 return self._prefill_chunk(chunk)
         graph, out = self._prefill_graph
@@ -363,19 +383,30 @@ class StaticTarget:
         self._length.fill_(self.length)
         key = (q, long_chain)
         if key not in self._graphs:
+            captured, failed = None, False
             try:
-                self._graphs[key] = self._capture(q, long_chain)
+                captured = self._capture(q, long_chain)
             except RuntimeError as exc:  # e.g. MoE routing with data-dependent shapes cannot be captured
                 warnings.warn(f"CUDA graph capture failed ({type(exc).__name__}: {str(exc)[:200]}); running eagerly",
                               stacklevel=2)
+                failed = True
+            if self._any_rank(failed):  # every rank runs eagerly if one must
                 self.graphs = False
                 return self._forward(ids, depths, parents, visible, last_only=False, chain=long_chain)
+            self._graphs[key] = captured
         graph, out, pending, state_bytes = self._graphs[key]
         graph.replay()
         self._graph_width = key
         self.pending, self.state_bytes = dict(pending), state_bytes
         self.peak_state_bytes = max(self.peak_state_bytes, state_bytes)
         return out
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank (a one-rank decision made the same on all); ``flag`` alone
+        without tensor parallelism."""
+        if self.tp is None:
+            return flag
+        return bool(self.tp.all_reduce_(torch.tensor([int(flag)], device=self.device)).item())  # once per capture
 
     def _capture(self, q: int, chain: bool):
         """Record the width-q pass reading the static inputs; returns (graph, outputs, pending, state bytes)."""
@@ -508,14 +539,18 @@ class StaticTarget:
                 self.state_bytes += pending.nbytes()
         else:
             kwargs = {self._cache_kwarg: self.kv}
-            mixed = layer.self_attn(
+            mixed = self._reduced(layer.self_attn(
                 hidden_states=mixed, position_embeddings=(on["cos"], on["sin"]), attention_mask=on["mask"], **kwargs
-            )[0]
+            )[0])
         if block is not None:
             return block.finish(hidden, mixed)
         hidden = hidden + mixed
         mlp_out = layer.mlp(layer.post_attention_layernorm(hidden))
-        return hidden + (mlp_out[0] if isinstance(mlp_out, tuple) else mlp_out)
+        return hidden + self._reduced(mlp_out[0] if isinstance(mlp_out, tuple) else mlp_out)
+
+    def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel block output summed over the ranks (unchanged in one process)."""
+        return partial if self.reduce is None else self.reduce(partial)
 
     def _attention_mask(self, length: torch.Tensor, visible: torch.Tensor, attend: int) -> torch.Tensor:
         """Additive [1, 1, q, attend]: the committed past, then the pass's own block by ``visible``."""
@@ -581,11 +616,14 @@ def make_target(
     tap_device: torch.device | None = None,
     graphs: bool | None = None,
     compile_layers: bool = False,
+    tp: TPGroup | None = None,
 ):
     """The runner for ``model``: ``StaticTarget`` (own decoder loop on static buffers; hybrids need
-    it), with CUDA graphs when ``graphs`` is None and the whole model sits on one CUDA device."""
+    it), with CUDA graphs when ``graphs`` is None and the whole model sits on one CUDA device.
+    ``tp``: the model is this rank's shard (``tensor_parallel.shard_model``); one CUDA device per rank
+    keeps graphs available, their all-reduces captured."""
     check_supported(model.config)
     devices = {p.device for p in model.parameters()}
     one_cuda = len(devices) == 1 and next(iter(devices)).type == "cuda"
     use_graphs = one_cuda if graphs is None else graphs and one_cuda
-    return StaticTarget(model, tap_layer_ids, tap_device, graphs=use_graphs, compile_layers=compile_layers)
+    return StaticTarget(model, tap_layer_ids, tap_device, graphs=use_graphs, compile_layers=compile_layers, tp=tp)

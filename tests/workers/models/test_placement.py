@@ -114,3 +114,28 @@ def test_the_reserve_counts_each_kept_graphs_pool(hybrid_27b):
     expected = 4 * (logits + 2 * activations) + (linear[1] - linear[0]) * 48
     assert abs(grown - expected) < 2**20, (grown, expected)
     assert min(plans[1].free_bytes()) > 2 * GiB, plans[1].describe()  # the user's 2 x 48 GB still fits
+
+
+# -- tensor parallel ------------------------------------------------------------------------------------
+def test_27b_hybrid_tensor_parallel_plan_per_rank(hybrid_27b):
+    from workers.models.placement import plan_tensor_parallel
+
+    config, drafter = hybrid_27b
+    one = plan_tensor_parallel(config, 200 * GiB, 1, torch.bfloat16, drafter)
+    two = plan_tensor_parallel(config, GB48, 2, torch.bfloat16, drafter)
+    # sharded layers halve; the embedding (and norms, routers) stay whole on each rank
+    embedding = config.text_config.vocab_size * config.text_config.hidden_size * 2 if hasattr(
+        config, "text_config") else config.vocab_size * config.hidden_size * 2
+    assert one.weight_bytes / 2 < two.weight_bytes <= one.weight_bytes / 2 + embedding
+    assert two.state_bytes < one.state_bytes * 0.51  # K/V and GDN state of half the heads
+    assert two.drafter_bytes == drafter and two.free_bytes() > 0
+    with pytest.raises(BadInputError, match=r"tensor_parallel=2 leaves each GPU .* GiB short .*weights"):
+        plan_tensor_parallel(config, 24 * 10**9, 2, torch.bfloat16, drafter)
+
+
+def test_tensor_parallel_plan_refuses_a_head_count_that_does_not_divide(hybrid_27b):
+    from workers.models.placement import plan_tensor_parallel
+
+    config, drafter = hybrid_27b
+    with pytest.raises(BadInputError, match=r"tensor_parallel=3: the target's \w+=\d+ does not divide by 3"):
+        plan_tensor_parallel(config, GB48, 3, torch.bfloat16, drafter)
