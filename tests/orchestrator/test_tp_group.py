@@ -201,7 +201,7 @@ def _wait(condition, proc, timeout: float = 240.0, what: str = ""):
 @pytest.mark.sweep
 def test_sweep_with_a_tp_worker_survives_a_killed_rank_and_resumes(tiny_dir, tmp_path):
     runs = tmp_path / "runs"
-    config = sweep_dict(tiny_dir, runs, n_trials=4, workers=TP2)
+    config = sweep_dict(tiny_dir, runs, n_trials=3, workers=TP2, measurement={"final_top_k": 0})
     config["prompts"]["max_new_tokens"] = 32  # trials long enough to be caught mid-flight
     config["ray"] = {"address": None, "num_cpus": 2}
     sweep = write_sweep(tmp_path / "sweep.yaml", config)
@@ -218,7 +218,7 @@ def test_sweep_with_a_tp_worker_survives_a_killed_rank_and_resumes(tiny_dir, tmp
 
     again = run_sweep(sweep)  # the same command: resumes and finishes
     assert again.returncode == 0, again.stderr[-3000:]
-    study = assert_consistent(runs, 4)
+    study = assert_consistent(runs, 3)
     client = MlflowClient(f"sqlite:///{runs}/mlflow.db")
     experiment = client.get_experiment_by_name("test")
     children = client.search_runs([experiment.experiment_id], "tags.sweep_role = 'trial'", max_results=100)
