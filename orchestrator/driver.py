@@ -481,6 +481,9 @@ class Driver:
             slot.state = "idle"
         except ACTOR_DEATH:
             replace_actor(self.config, slot)
+            return
+        if slot.info["load_error"]:  # e.g. a tensor-parallel group that did not form again: start afresh
+            replace_actor(self.config, slot)
 
     def _close_inflight(self, reason: str) -> None:
         """In-flight child runs KILLED, their trials queued to run again."""
