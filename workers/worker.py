@@ -48,7 +48,6 @@ from workers.models.loading import (
 )
 from workers.models.placement import drafter_bytes_for
 from workers.models.static_target import make_target
-from workers.models.tensor_parallel import TPGroup, shard_model
 from workers.prompts import ChatFormat, Prompt, encode, stop_token_ids
 
 WARMUP_TOKENS = 16
@@ -76,7 +75,6 @@ class WorkerConfig:
     enable_thinking: bool = False  # only for targets whose template has the switch
     cuda_graphs: bool = True  # replay verify passes as CUDA graphs (a whole target on one GPU); False to debug
     compile_layers: bool = False  # torch.compile the decoder layers too (~30% faster forwards, ~1 min per pass width)
-    tensor_parallel: int = 1  # ranks of the group this worker is one of (load(tp) joins it)
 
 
 @dataclass(frozen=True)
@@ -150,16 +148,12 @@ class Worker:
         self.tokenizer = None
         self._baselines: dict[str, list[GenerationOutput]] = {}
         self._state_bytes: int | None = None  # peak tree_state_bytes of the last _generate_all (hybrids)
-        self.tp: TPGroup | None = None
 
-    def load(self, tp: TPGroup | None = None) -> Worker:
+    def load(self) -> Worker:
         cfg = self.config
-        self.tp = tp
         placement = Placement(device=cfg.device, gpus=cfg.gpus, max_memory_per_gpu=cfg.max_memory_per_gpu,
                               drafter_bytes=self._drafter_bytes())
         self.model = load_target(cfg.target, cfg.dtype, placement, cfg.attn_implementation, cfg.local_files_only)
-        if tp is not None:
-            shard_model(self.model, tp)
         self.tokenizer = load_tokenizer(cfg.target, cfg.local_files_only)
         taps: tuple[int, ...] = ()
         if cfg.drafter is not None:
@@ -267,17 +261,8 @@ class Worker:
             # Repeats give the same tokens (same seed); only the times differ, and the median one counts.
             outputs.append(median_run([measure(prompt_ids, prompt_gen) for _ in range(max(spec.repeats, 1))]))
             state_bytes = max(state_bytes, getattr(self.target, "peak_state_bytes", 0))
-            stop = None
             if on_prompt is not None:
-                try:
-                    on_prompt(outputs, baseline[: len(outputs)] if baseline is not None else None)
-                except TrialStopped as exc:
-                    stop = exc
-            # every rank stops after the same prompt: rank 0's decision, broadcast
-            if self.tp is not None and self.tp.broadcast_flag(stop is not None) and stop is None:
-                stop = TrialStopped(f"stopped by rank 0 after {len(outputs)} prompts")
-            if stop is not None:
-                raise stop
+                on_prompt(outputs, baseline[: len(outputs)] if baseline is not None else None)
         self._state_bytes = state_bytes if getattr(self.target, "linear_ids", ()) else None
         return outputs
 
