@@ -52,6 +52,19 @@ class WorkersSection(_Strict):
     device: Literal["auto", "cuda", "cpu"] = Field(
         "auto", description="where an actor runs its models; auto = cuda when gpus_per_worker > 0"
     )
+    parallel: Literal["layers", "tensor"] = Field(
+        "layers", description="how a worker uses several GPUs: layers = one actor, the target's layers split over "
+        "its GPUs (accelerate device_map); tensor = one actor per GPU on one node (a Ray placement group) joined in "
+        "one torch.distributed group, each layer sharded over them (not yet measured on GPUs)"
+    )
+    ranks: int | None = Field(
+        None, ge=2, description="parallel: tensor only: processes in a worker's group; default gpus_per_worker (one "
+        "rank per GPU); with gpus_per_worker: 0 give it (the ranks run on CPU, joined with gloo)"
+    )
+    join_timeout_s: float = Field(
+        300.0, gt=0, description="parallel: tensor only: seconds the ranks wait to join their group, and any "
+        "collective waits for the other ranks, before the group is reported stuck"
+    )
 
     @field_validator("max_memory_per_gpu")
     @classmethod
@@ -59,6 +72,13 @@ class WorkersSection(_Strict):
         if value is not None and not _MEMORY.match(value):
             raise ValueError(f"must look like '44GiB' or '40000MiB', got {value!r}")
         return value
+
+    @property
+    def tp_ranks(self) -> int:
+        """Processes per worker: 1 for a layer split, else the tensor-parallel group's size."""
+        if self.parallel == "layers":
+            return 1
+        return self.ranks or self.gpus_per_worker
 
 
 class PromptsSection(_Strict):
@@ -225,6 +245,7 @@ class SweepConfig(_Strict):
 
     @model_validator(mode="after")
     def _cross_field(self) -> SweepConfig:
+        _check_parallel(self.workers)
         allowed = self.method_params.knob_names()
         for section in ("search_space", "fixed_params"):
             for name in getattr(self, section):
@@ -286,6 +307,24 @@ class SweepConfig(_Strict):
             "fixed_params": self.fixed_params,
             "objectives": [f"{o.direction} {o.metric}" for o in self.objectives],
         }
+
+
+def _check_parallel(workers: WorkersSection) -> None:
+    """The combinations of parallel, gpus_per_worker and ranks that make a worker (ValueError naming the field)."""
+    if workers.parallel == "layers":
+        if workers.ranks is not None:
+            raise ValueError("workers.ranks: only for parallel: tensor (parallel is 'layers': one actor per worker)")
+        return
+    gpus, ranks = workers.gpus_per_worker, workers.ranks
+    if gpus == 1:
+        raise ValueError("workers.gpus_per_worker: parallel: tensor needs 2 or more GPUs per worker (one rank each), "
+                         "got 1")
+    if gpus == 0 and ranks is None:
+        raise ValueError("workers.ranks: parallel: tensor with gpus_per_worker: 0 runs its ranks on CPU; give their "
+                         "number, e.g. ranks: 2")
+    if gpus > 1 and ranks not in (None, gpus):
+        raise ValueError(f"workers.ranks: parallel: tensor runs one rank per GPU, so ranks ({ranks}) must equal "
+                         f"gpus_per_worker ({gpus}) or be left out")
 
 
 def _absolute_sqlite(url: str, base: Path) -> str:

@@ -43,7 +43,7 @@ from optuna.trial import TrialState
 from orchestrator import locks
 from orchestrator import study as studies
 from orchestrator.config import METRICS, SweepConfig, check_against_block
-from orchestrator.pool import ACTOR_DEATH, Slot, check_resources, replace_actor, start_pool
+from orchestrator.pool import ACTOR_DEATH, Slot, check_resources, release_pool, replace_actor, start_pool
 from orchestrator.predictor import Predictor
 from orchestrator.progress import Progress
 from orchestrator.signals import RAY_ENV, Interrupted, StopSignals
@@ -138,6 +138,8 @@ class Driver:
         finally:
             self.progress.stop()
             if self.ray_started:
+                if ray.is_initialized():
+                    release_pool(self.slots)  # tensor-parallel workers' placement groups
                 ray.shutdown()
             locks.release(lock)
 
@@ -478,6 +480,9 @@ class Driver:
             slot.info = ray.get(slot.handle.info.remote())
             slot.state = "idle"
         except ACTOR_DEATH:
+            replace_actor(self.config, slot)
+            return
+        if slot.info["load_error"]:  # e.g. a tensor-parallel group that did not form again: start afresh
             replace_actor(self.config, slot)
 
     def _close_inflight(self, reason: str) -> None:

@@ -74,6 +74,7 @@ def plan_text(config, path: Path, new_study: bool = False) -> str:
         + (f", drafter {config.drafter.model}" if config.drafter else ""),
         f"ray        {'local cluster' if config.ray.address is None else 'join ' + config.ray.address}",
         f"actors     {w.count} x {w.gpus_per_worker} GPU(s)"
+        + (f", tensor-parallel: {w.tp_ranks} ranks per worker" if w.parallel == "tensor" else "")
         + (f", max {w.max_memory_per_gpu} per GPU" if w.max_memory_per_gpu else "")
         + (f", resources {w.resources}" if w.resources else ""),
         "prompts    " + " ".join(str(part) for part in (config.prompts.dataset, config.prompts.path) if part)

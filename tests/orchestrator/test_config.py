@@ -300,6 +300,15 @@ CASES = [
     # wrong types / values
     Case("n_trials-not-int", put("n_trials", value="ten"), ("n_trials:", "valid integer")),
     Case("workers.count-negative", put("workers", "count", value=-1), ("workers.count:", "greater than or equal to 1")),
+    # tensor-parallel workers: the combinations that make no worker, named by field
+    Case("parallel-unknown", put("workers", "parallel", value="pipeline"), ("workers.parallel:", "'pipeline'")),
+    Case("ranks-with-layers", put("workers", "ranks", value=2), ("workers.ranks:", "only for parallel: tensor")),
+    Case("tensor-on-one-gpu", put("workers", value={"gpus_per_worker": 1, "parallel": "tensor"}),
+         ("workers.gpus_per_worker:", "2 or more GPUs")),
+    Case("tensor-on-cpu-without-ranks", put("workers", value={"gpus_per_worker": 0, "parallel": "tensor"}),
+         ("workers.ranks:", "give their number")),
+    Case("tensor-ranks-not-gpus", put("workers", value={"gpus_per_worker": 2, "parallel": "tensor", "ranks": 3}),
+         ("workers.ranks:", "ranks (3) must equal gpus_per_worker (2)")),
     Case("temperature-negative", put("generation", "temperature", value=-0.5),
          ("generation.temperature:", "greater than or equal to 0")),
     # unknown keys and names
