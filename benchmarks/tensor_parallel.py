@@ -113,7 +113,8 @@ def main() -> int:
     print(f"{'method':>16} {'1 rank ms':>10} {f'TP={args.ranks} ms':>10} {'TP / 1':>7} {'same tokens':>12}")
     for name, (one_ms, one_tokens) in one["rows"].items():
         many_ms, many_tokens = many["rows"][name]
-        print(f"{name:>16} {one_ms:>10.2f} {many_ms:>10.2f} {many_ms / one_ms:>7.2f} {str(one_tokens == many_tokens):>12}")
+        same = one_tokens == many_tokens
+        print(f"{name:>16} {one_ms:>10.2f} {many_ms:>10.2f} {many_ms / one_ms:>7.2f} {str(same):>12}")
     return 0
 
 
