@@ -113,16 +113,15 @@ class PrologueOutputs(NamedTuple):
 def _prologue_kernel(
     WIN, INP, EXT, LAG, W, BIAS, KQ, V, B, A, A_LOG, DT_BIAS, BETA, LOG_GATE,
     nodes, channels, inp_stride, b_stride, a_stride,
-    KEY_HEADS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, TAPS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SCALE: tl.constexpr, HAS_EXT: tl.constexpr, HAS_GATES: tl.constexpr,
+    KEY_HEADS: tl.constexpr, HEADS: tl.constexpr, REPEAT: tl.constexpr, D: tl.constexpr, TAPS: tl.constexpr,
+    WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, HAS_EXT: tl.constexpr, HAS_GATES: tl.constexpr,
 ):
     """Program (node t, head segment s): the conv over t's ancestry + SiLU of one head's channels, then
     (q, k heads) the l2 norm, stored for each value head the key head serves; (v heads) the gates of
     value head s - 2 Hk at node t. Rows of the extended input below TAPS - 1 are the window's, the
-    rest the node inputs'."""
+    rest the node inputs' (WINDOW = TAPS - 1)."""
     t = tl.program_id(0)
     s = tl.program_id(1)
-    WINDOW: tl.constexpr = TAPS - 1
     d = tl.arange(0, D)
     c = s * D + d  # q heads, then k heads, then v heads: the conv channels in order
     acc = tl.zeros((D,), dtype=tl.float32)
@@ -144,15 +143,14 @@ def _prologue_kernel(
         acc += tl.load(BIAS + c).to(tl.float32)
     x = acc * tl.sigmoid(acc)
     x = x.to(WIN.dtype.element_ty).to(tl.float32)  # the torch path rounds the conv output to the model dtype
-    repeat: tl.constexpr = HEADS // KEY_HEADS
     if s < 2 * KEY_HEADS:
         x = x * tl.rsqrt(tl.sum(x * x, axis=0) + 1e-6)
         is_query = s < KEY_HEADS
         part = tl.where(is_query, 1, 0)  # KQ's k_ rows at 0, q_ rows at 1
         hk = tl.where(is_query, s, s - KEY_HEADS)
         x = tl.where(is_query, x * SCALE, x)
-        for r in tl.static_range(repeat):
-            tl.store(KQ + (((hk * repeat + r) * 2 + part) * nodes + t) * D + d, x)
+        for r in tl.static_range(REPEAT):
+            tl.store(KQ + (((hk * REPEAT + r) * 2 + part) * nodes + t) * D + d, x)
     else:
         h = s - 2 * KEY_HEADS
         tl.store(V + (h * nodes + t) * D + d, x)
@@ -196,8 +194,9 @@ def prologue(
         bias if bias is not None else weight, kq, v, b, a, a_log, dt_bias,
         beta if beta is not None else v, log_gate if log_gate is not None else v,
         nodes, channels, inputs.stride(0), b.stride(0), a.stride(0),
-        KEY_HEADS=key_heads, HEADS=heads, D=head_dim, TAPS=taps, HAS_BIAS=bias is not None, SCALE=head_dim**-0.5,
-        HAS_EXT=extended is not None, HAS_GATES=gates is not None, num_warps=1,
+        KEY_HEADS=key_heads, HEADS=heads, REPEAT=heads // key_heads, D=head_dim, TAPS=taps, WINDOW=taps - 1,
+        HAS_BIAS=bias is not None, SCALE=head_dim**-0.5, HAS_EXT=extended is not None, HAS_GATES=gates is not None,
+        num_warps=1,
     )
     return PrologueOutputs(kq, v, beta, log_gate)
 
