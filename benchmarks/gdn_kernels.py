@@ -2,9 +2,9 @@
 
     python benchmarks/gdn_kernels.py [--shape qwen3.6-27b]
 
-Times (median, CUDA graph replay of one call) the torch prologue (l2 norms, products with the
-committed state, r) and the Triton path solve for tree widths q = 17..1025 of depth 15, with 1, 2
-and 4 warps per program, against the torch path solve; and checks the kernel against it.
+Times (median, CUDA graph replay of one call) the Triton tree pass (the products with the committed
+state, then the path solve) for tree widths q = 17..1025 of depth 15, with 1, 2 and 4 warps per
+program, against the torch form; and checks the kernel against it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from forward_anatomy import graphed
 from gpu_speed import median_ms
 
 from workers.models.deltanet import ancestor_table, tree_delta_rule_normalized
-from workers.models.gdn_triton import tree_path_outputs
+from workers.models.gdn_triton import tree_outputs
 from workers.models.shapes import TARGETS
 
 
@@ -50,10 +50,8 @@ def main() -> int:
         g, beta = -torch.rand(q, h, device="cuda"), torch.rand(q, h, device="cuda")
         state = torch.randn(h, dk, dv, device="cuda") * 0.3
         whole = median_ms(graphed(lambda: tree_delta_rule_normalized(q_, k_, v_, g, beta, state, ancestors, True)))
-        rhs, q_S0, G = (torch.randn(h, q, dv, device="cuda"), torch.randn(h, q, dv, device="cuda"),
-                        -torch.rand(h, q, device="cuda"))
-        beta_ = beta.T.contiguous()
-        solves = [median_ms(graphed(lambda w=w: tree_path_outputs(q_, k_, rhs, q_S0, G, beta_, ancestors, w)))
+        kq = torch.stack((k_, q_), dim=1).repeat_interleave(h // hk, dim=0)  # the prologue's layout
+        solves = [median_ms(graphed(lambda w=w: tree_outputs(kq, v_, g, beta, state, ancestors, hk, w)))
                   for w in (1, 2, 4)]
         want = tree_delta_rule_normalized(q_, k_, v_, g, beta, state, ancestors, False)
         got = tree_delta_rule_normalized(q_, k_, v_, g, beta, state, ancestors, True)

@@ -187,6 +187,13 @@ def tree_delta_rule_normalized(
     key_heads, q, dk = k_.shape
     num_heads, dv = v_.shape[0], v_.shape[-1]
     repeat = num_heads // key_heads  # grouped heads: each q/k head serves `repeat` value heads
+    if use_triton is None:
+        use_triton = v_.is_cuda and kernel_fits(dk, dv) and triton_available()
+    if use_triton:  # [H, 2, q, dk]: k_ then q_, per value head, as the conv prologue kernel writes them
+        from workers.models.gdn_triton import tree_outputs
+
+        kq = torch.stack((k_, q_), dim=1).repeat_interleave(repeat, dim=0)
+        return tree_outputs(kq, v_, log_gate, beta, state, ancestors, key_heads)
     sentinel = torch.zeros(num_heads, 1, dtype=torch.float32, device=v_.device)
     G = torch.cat((log_gate.float().T, sentinel), dim=1)[:, ancestors].sum(-1)  # [H, q] path sums
     # the committed state read once per node and head, as one product per key head over its value heads
@@ -195,12 +202,6 @@ def tree_delta_rule_normalized(
     k_S0, q_S0 = products.transpose(1, 2).reshape(num_heads, 2 * q, dv).split(q, dim=1)  # [H, q, dv] each
     beta_ = beta.float().T.contiguous()  # [H, q]
     rhs = beta_[:, :, None] * (v_ - G.exp()[:, :, None] * k_S0)
-    if use_triton is None:
-        use_triton = v_.is_cuda and kernel_fits(dk, dv) and triton_available()
-    if use_triton:
-        from workers.models.gdn_triton import tree_path_outputs
-
-        return tree_path_outputs(q_, k_, rhs, q_S0, G, beta_, ancestors)
     q_, k_ = q_.repeat_interleave(repeat, dim=0), k_.repeat_interleave(repeat, dim=0)
     out = torch.empty_like(rhs)
     step = max(1, GATHER_BYTES // max(1, q * ancestors.shape[1] * dv * 4))

@@ -62,7 +62,7 @@ def _kernels_available() -> bool:
     return True
 
 
-def _residual_plus(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear, reduce: Reduce | None) -> torch.Tensor:
+def residual_plus(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear, reduce: Reduce | None) -> torch.Tensor:
     """residual + reduce(linear(x)) for 2-D operands; without ``reduce`` the sum is the matrix
     product's epilogue (one kernel)."""
     if reduce is not None:
@@ -121,13 +121,16 @@ class HybridMLP:
             activated = silu_mul(gate_up)
         else:
             activated = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-        return _residual_plus(residual, activated, self.down_proj, self.reduce)
+        return residual_plus(residual, activated, self.down_proj, self.reduce)
 
 
 class HybridLinearLayer:
     """The norms and MLP around a Gated DeltaNet layer's token mixer; the runner calls the mixer:
 
         mixed = mixer(layer.input_norm(hidden)); hidden = layer.finish(hidden, mixed)
+
+    or, where the mixer adds the residual itself (``GDNLayer``'s ``residual``, the sum in out_proj's
+    epilogue), ``hidden = layer.finish_summed(mixer(layer.norm(hidden), residual=hidden))``.
     """
 
     def __init__(self, layer: nn.Module, reduce: Reduce | None = None) -> None:
@@ -155,6 +158,11 @@ class HybridLinearLayer:
             residual, normed = add_one_plus_rms_norm(hidden[0], mixed[0], mlp.post_norm.weight, mlp.post_norm.eps)
             return mlp.dense_mlp(residual, normed).unsqueeze(0)
         return mlp((hidden + mixed)[0]).unsqueeze(0)
+
+    def finish_summed(self, summed: torch.Tensor) -> torch.Tensor:
+        """summed [1, q, H] (hidden + the mixer's output, the mixer's out_proj having added them) -> the
+        layer's output [1, q, H]."""
+        return self.mlp(summed[0]).unsqueeze(0)
 
 
 class GatedAttentionLayer:
@@ -201,7 +209,7 @@ class GatedAttentionLayer:
         out = attend_folded(folded, kv[0, 0, :, :attend], kv[1, 0, :, :attend], inputs.mask, self.scale)
         # the output gate: [q, Hq, D] (sigmoid's output is contiguous, the product lands in it)
         gated = torch.sigmoid(heads[:, : 2 * hq].view(q, hq, 2, d)[:, :, 1]).mul_(out.view(hq, q, d).transpose(0, 1))
-        residual = _residual_plus(residual, gated.view(q, hq * d), self.o_proj, self.reduce)
+        residual = residual_plus(residual, gated.view(q, hq * d), self.o_proj, self.reduce)
         return self.mlp(residual).unsqueeze(0)
 
 

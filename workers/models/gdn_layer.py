@@ -33,10 +33,10 @@ from workers.models.deltanet import (
     kernel_fits,
     tree_conv,
     tree_delta_rule,
-    tree_delta_rule_normalized,
     triton_available,
     window_after,
 )
+from workers.models.fused_hybrid import residual_plus
 from workers.models.fused_layer import fuse_rows
 
 
@@ -75,16 +75,17 @@ class GDNLayer:
                 torch.zeros(self.state_shape, dtype=torch.float32, device=device))
 
     def __call__(self, hidden: torch.Tensor, shape: TreeShape, conv_window: torch.Tensor, state: torch.Tensor,
-                 commit: bool = False):
+                 commit: bool = False, residual: torch.Tensor | None = None):
         """hidden [1, q, H] (after the input norm) -> (mixed [1, q, H], PendingLayer or None).
 
         ``commit`` (the prompt: a chain kept whole) advances (conv_window, state) in place over all
         nodes and keeps nothing; otherwise the pass leaves the state alone and returns what
-        ``commit`` needs to replay any accepted path.
+        ``commit`` needs to replay any accepted path. ``residual`` [1, q, H]: if given, mixed is
+        residual + the mixer's output (on CUDA the sum is out_proj's matrix product's epilogue).
         """
         mixer, q = self.mixer, hidden.shape[1]
         if self.kernels:
-            return self._with_kernels(hidden, shape, conv_window, state, commit)
+            return self._with_kernels(hidden, shape, conv_window, state, commit, residual)
         conv_inputs, z, b, a = _project(mixer, hidden[0])
         beta = b.sigmoid()
         log_gate = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)  # [q, H] <= 0
@@ -105,38 +106,41 @@ class GDNLayer:
         else:
             pending = PendingLayer(extended, shape.lag_index, log_gate, beta)
         out = mixer.norm(out.to(hidden.dtype).reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
-        return self._reduced(mixer.out_proj(out.reshape(1, q, -1))), pending
+        mixed = self._reduced(mixer.out_proj(out.reshape(1, q, -1)))
+        return (mixed if residual is None else residual + mixed), pending
 
-    def _with_kernels(self, hidden, shape: TreeShape, conv_window, state, commit: bool):
-        """``__call__`` through the Triton kernels: one projection, one conv prologue, the tree or chunked
-        delta rule, one gated norm."""
+    def _with_kernels(self, hidden, shape: TreeShape, conv_window, state, commit: bool, residual):
+        """``__call__`` through the Triton kernels: one projection, one conv prologue (with the gates and
+        the extended conv inputs), the tree or chunked delta rule, one gated norm, out_proj."""
         mixer, q = self.mixer, hidden.shape[1]
-        if self.projection is not None:
+        if self.projection is not None:  # views of one [q, C + H*dv + 2H] product: rows strided
             conv_inputs, z, b, a = torch.split(F.linear(hidden[0], self.projection), self.splits, dim=-1)
         else:
             conv_inputs, z, b, a = _project(mixer, hidden[0])
             z = z.reshape(q, -1)
-        from workers.models.gdn_triton import gated_norm, prologue
+        from workers.models.gdn_triton import gated_norm, prologue, tree_outputs
 
-        beta = b.sigmoid()
-        log_gate = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)  # [q, H] <= 0
-        extended = torch.cat((conv_window.to(conv_inputs.dtype), conv_inputs))  # [window+q, C]
-        lag_index = shape.lag_index
+        # cat(window, inputs), as the commit replays from it: written by the prologue, not concatenated
+        extended = torch.empty(self.window + q, self.conv_dim, dtype=conv_inputs.dtype, device=conv_inputs.device)
         key_heads, heads = mixer.num_k_heads, mixer.num_v_heads
-        q_, k_, v_ = prologue(extended, lag_index, mixer.conv1d.weight[:, 0, :], mixer.conv1d.bias, key_heads, heads,
-                              mixer.head_k_dim)
+        kq, v_, beta, log_gate = prologue(conv_window, conv_inputs, shape.lag_index, mixer.conv1d.weight[:, 0, :],
+                                          mixer.conv1d.bias, key_heads, heads, mixer.head_k_dim, extended,
+                                          (b, a, mixer.A_log, mixer.dt_bias))
         pending = None
         if shape.ancestors is None or commit:
-            out, new_state = chain_delta_rule_normalized(q_, k_, v_, log_gate, beta, state)
+            out, new_state = chain_delta_rule_normalized(kq[:, 1], kq[:, 0], v_, log_gate, beta, state, repeated=True)
         else:
-            out = tree_delta_rule_normalized(q_, k_, v_, log_gate, beta, state, shape.ancestors, use_triton=True)
+            out = tree_outputs(kq, v_, log_gate, beta, state, shape.ancestors, key_heads)
         if commit:
             state.copy_(new_state)
             conv_window.copy_(extended[extended.shape[0] - self.window :])
         else:
             pending = PendingLayer(extended, shape.lag_index, log_gate, beta)
         normed = gated_norm(out.contiguous(), z, mixer.norm.weight, mixer.norm.variance_epsilon, hidden.dtype)
-        return self._reduced(mixer.out_proj(normed).unsqueeze(0)), pending
+        if residual is None:
+            return self._reduced(mixer.out_proj(normed).unsqueeze(0)), pending
+        # the residual sum in out_proj's epilogue (sharded: added after the reduce)
+        return residual_plus(residual[0], normed, mixer.out_proj, self.reduce).unsqueeze(0), pending
 
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
         return partial if self.reduce is None else self.reduce(partial)
@@ -149,10 +153,11 @@ class GDNLayer:
         if self.kernels:  # conv prologue over the path, then the recurrence with the state in registers
             from workers.models.gdn_triton import advance_state, prologue
 
-            extended = torch.cat((conv_window, pending.extended[window + path]))  # [window+c, C]
-            _, k_, v_ = prologue(extended, conv_lag_index(parents, window), mixer.conv1d.weight[:, 0, :],
-                                 mixer.conv1d.bias, mixer.num_k_heads, mixer.num_v_heads, mixer.head_k_dim)
-            advance_state(k_, v_, pending.log_gate[path], pending.beta[path], state)
+            extended = torch.empty(window + count, self.conv_dim, dtype=conv_window.dtype, device=conv_window.device)
+            kq, v_, _, _ = prologue(conv_window, pending.extended[window + path], conv_lag_index(parents, window),
+                                    mixer.conv1d.weight[:, 0, :], mixer.conv1d.bias, mixer.num_k_heads,
+                                    mixer.num_v_heads, mixer.head_k_dim, extended)
+            advance_state(kq[:, 0], v_, pending.log_gate[path], pending.beta[path], state)
             conv_window.copy_(extended[count:])  # the last `window` inputs of committed + path
             return
         conv_out, _ = tree_conv(pending.extended[window + path], conv_window, mixer.conv1d.weight[:, 0, :],

@@ -1,18 +1,24 @@
-"""Gated DeltaNet's per-token work as Triton kernels (CUDA only): the tree solve, the conv prologue, the gated norm.
+"""Gated DeltaNet's per-token work as Triton kernels (CUDA only): the conv prologue, the tree solve, the gated norm.
 
-``tree_path_outputs``: the per-node path solve of ``workers.models.deltanet.tree_delta_rule``.
-One program per (node, key head, block of value columns): it gathers the keys of the node's <= P
-ancestors into registers, forms their [P, P] Gram matrix and the node's query products, then, for
-each value head that shares this key head, runs the P-step forward substitution on scalars and
-sums P gathered rows of r. Nothing is written but the outputs; the torch form in ``deltanet`` is the
-reference it is tested against (``tests/workers/models/test_gdn_triton.py``).
+``prologue``: per node, the conv over its ancestry, SiLU and the q/k l2 norms in one kernel (one
+program per node and head), reading the committed conv window and the node inputs where they lie
+(no concatenation) and, on request, writing their concatenation (what a pass keeps for its commit)
+and the gates beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias). It replaces ~30 small
+torch kernels. ``gated_norm``: the output's RMSNormGated in one. Both follow the torch path's
+roundings to the model dtype, so they agree with it to rounding.
 
-``prologue``: each node's conv over its ancestry, SiLU and the q/k l2 norms in one kernel (one program
-per node and head), replacing ~20 small torch kernels; ``gated_norm``: the output's RMSNormGated in
-one. Both follow the torch path's roundings to the model dtype, so they agree with it to rounding.
+``tree_outputs``: the per-node path solve of ``workers.models.deltanet.tree_delta_rule_normalized``.
+One batched product gives every node's k_ S0 and q_ S0; then one program per (node, key head) gathers
+the keys of the node's <= P ancestors into registers, forms their [P, P] Gram matrix and the node's
+query products, then, for each value head that shares this key head, forms the path sums of the log
+decay and the right-hand sides r, runs the P-step forward substitution on scalars and sums P rows of
+r. Nothing is written but the outputs; the torch form in ``deltanet`` is the reference it is tested
+against (``tests/workers/models/test_gdn_triton.py``).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -22,111 +28,177 @@ TREE_WARPS = 1
 
 
 @triton.jit
-def _tree_path_kernel(
-    Q, K, R, QS, G, BETA, ANC, OUT, nodes,
+def _tree_kernel(
+    KQ, V, PROD, LOG_GATE, BETA, ANC, OUT, nodes,
     HEADS: tl.constexpr, REPEAT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, P: tl.constexpr,
     BV: tl.constexpr, STEPS: tl.constexpr,
 ):
+    """Program (node t, key head hk, block of value columns). KQ [H, 2, q, DK] (k_, then q_), V [H, q, DV],
+    PROD [H, 2q, DV] (k_ S0 rows, then q_ S0 rows), LOG_GATE / BETA [q, H], ANC [q, P]: column 0 the node,
+    then its parent, ..., the root, then ``nodes`` (past the root)."""
     t = tl.program_id(0)
     hk = tl.program_id(1)
     cols = tl.program_id(2) * BV + tl.arange(0, BV)
     m = tl.arange(0, P)
     d = tl.arange(0, DK)
-    anc = tl.load(ANC + t * P + m)  # [P]; == nodes past the root
+    anc = tl.load(ANC + t * P + m)  # [P]
     valid = anc < nodes
     row = tl.where(valid, anc, 0)
-    keys = tl.load(K + (hk * nodes + row[:, None]) * DK + d[None, :], mask=valid[:, None], other=0.0)  # [P, DK]
-    query = tl.load(Q + (hk * nodes + t) * DK + d)  # [DK]
+    kq = KQ + hk * REPEAT * 2 * nodes * DK  # the first of this key head's (repeated) value heads
+    keys = tl.load(kq + row[:, None] * DK + d[None, :], mask=valid[:, None], other=0.0)  # [P, DK]
+    query = tl.load(kq + (nodes + t) * DK + d)  # [DK]
     gram = tl.dot(keys, tl.trans(keys), input_precision="ieee")  # [P, P]
     qk = tl.sum(keys * query[None, :], axis=1)  # [P]
     upper = (m[None, :] > m[:, None]) & valid[None, :]
+    # the path of ancestor m is ancestors m, m+1, ...: its log decay sum G_m is a suffix sum along the path
+    suffix = m[None, :] >= m[:, None]  # [P, P]: column j counts towards row m
     for r in tl.static_range(REPEAT):
         h = hk * REPEAT + r
-        g_path = tl.load(G + h * nodes + row, mask=valid, other=0.0)
-        b_path = tl.load(BETA + h * nodes + row, mask=valid, other=0.0)
-        g_t = tl.load(G + h * nodes + t)
+        g_raw = tl.load(LOG_GATE + row * HEADS + h, mask=valid, other=0.0)
+        g_path = tl.sum(tl.where(suffix, g_raw[None, :], 0.0), axis=1)  # [P] G of each ancestor
+        g_t = tl.sum(tl.where(m == 0, g_path, 0.0))
+        b_path = tl.load(BETA + row * HEADS + h, mask=valid, other=0.0).to(tl.float32)
         # U[m, n] = beta_{a_m} exp(G_{a_m} - G_{a_n}) gram[m, n], n > m on the path (masked before exp)
         U = b_path[:, None] * tl.exp(tl.where(upper, g_path[:, None] - g_path[None, :], float("-inf"))) * gram
         w = tl.where(valid, tl.exp(g_t - g_path) * qk, 0.0)  # starts as e
         for n in tl.static_range(1, STEPS):  # w_n = e_n - sum_{m<n} w_m U[m, n] (paths have <= STEPS nodes)
             column = tl.sum(tl.where(m[None, :] == n, U, 0.0), axis=1)
             w = tl.where(m == n, w - tl.sum(w * column), w)
-        rows = tl.load(R + (h * nodes + row[:, None]) * DV + cols[None, :], mask=valid[:, None], other=0.0)
-        out = tl.exp(g_t) * tl.load(QS + (h * nodes + t) * DV + cols) + tl.sum(w[:, None] * rows, axis=0)
+        # r_{a_m} = beta_{a_m} (v_{a_m} - exp(G_{a_m}) k_{a_m} S0) for the ancestors' rows
+        values = tl.load(V + (h * nodes + row[:, None]) * DV + cols[None, :], mask=valid[:, None], other=0.0)
+        k_S0 = tl.load(PROD + (h * 2 * nodes + row[:, None]) * DV + cols[None, :], mask=valid[:, None], other=0.0)
+        rows = b_path[:, None] * (values - tl.exp(g_path)[:, None] * k_S0)
+        q_S0 = tl.load(PROD + (h * 2 * nodes + nodes + t) * DV + cols)
+        out = tl.exp(g_t) * q_S0 + tl.sum(w[:, None] * rows, axis=0)
         tl.store(OUT + (t * HEADS + h) * DV + cols, out)
 
 
-def tree_path_outputs(
-    q_: torch.Tensor,  # [Hk, q, dk] float32, one row per key head (scaled by dk^-1/2)
-    k_: torch.Tensor,  # [Hk, q, dk] float32, one row per key head
-    rhs: torch.Tensor,  # [H, q, dv] r
-    q_S0: torch.Tensor,  # [H, q, dv]
-    G: torch.Tensor,  # [H, q] path sums of the log decay
-    beta: torch.Tensor,  # [H, q]
+def tree_outputs(
+    kq: torch.Tensor,  # [H, 2, q, dk] float32: k_, then q_ (scaled by dk^-1/2), each key head repeated per value head
+    v_: torch.Tensor,  # [H, q, dv] float32
+    log_gate: torch.Tensor,  # [q, H] float32 per-node log decay g
+    beta: torch.Tensor,  # [q, H]
+    state: torch.Tensor,  # [H, dk, dv] float32 committed recurrent state
     ancestors: torch.Tensor,  # [q, P] (P a power of two >= 16)
+    key_heads: int,
     num_warps: int | None = None,
 ) -> torch.Tensor:
-    """Outputs [q, H, dv] float32, as ``deltanet._path_outputs`` computes them."""
-    heads, nodes, dv = rhs.shape
-    key_heads, _, dk = k_.shape
-    repeat = heads // key_heads
+    """Outputs [q, H, dv] float32, as ``deltanet.tree_delta_rule_normalized`` computes them."""
+    heads, _, nodes, dk = kq.shape
+    dv = v_.shape[-1]
     P = ancestors.shape[1]
-    out = torch.empty(nodes, heads, dv, dtype=torch.float32, device=rhs.device)
+    # every node's k_ S0 and q_ S0 against its value head's committed state, one batched product: [H, 2q, dv]
+    products = torch.bmm(kq.reshape(heads, 2 * nodes, dk), state)
+    out = torch.empty(nodes, heads, dv, dtype=torch.float32, device=v_.device)
     # one warp per program: the forward substitution's reductions stay inside the warp (no barriers)
-    _tree_path_kernel[(nodes, key_heads, 1)](
-        q_.contiguous(), k_.contiguous(), rhs.contiguous(), q_S0.contiguous(), G.contiguous(),
-        beta.contiguous(), ancestors.contiguous(), out, nodes,
-        HEADS=heads, REPEAT=repeat, DK=dk, DV=dv, P=P, BV=dv, STEPS=min(P, nodes), num_warps=num_warps or TREE_WARPS,
+    _tree_kernel[(nodes, key_heads, 1)](
+        kq, v_.contiguous(), products, log_gate.float().contiguous(), beta.contiguous(), ancestors.contiguous(),
+        out, nodes,
+        HEADS=heads, REPEAT=heads // key_heads, DK=dk, DV=dv, P=P, BV=dv, STEPS=min(P, nodes),
+        num_warps=num_warps or TREE_WARPS,
     )
     return out
 
 
+class PrologueOutputs(NamedTuple):
+    """What ``prologue`` writes (beta and log_gate None unless the gates were asked for)."""
+
+    kq: torch.Tensor  # [H, 2, q, D] float32: k_ at [:, 0], q_ (scaled by D^-1/2) at [:, 1], per value head
+    v: torch.Tensor  # [H, q, D] float32
+    beta: torch.Tensor | None  # [q, H] in b's dtype
+    log_gate: torch.Tensor | None  # [q, H] float32
+
+
 @triton.jit
 def _prologue_kernel(
-    EXT, LAG, W, BIAS, QN, KN, V, nodes, channels,
-    KEY_HEADS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, TAPS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SCALE: tl.constexpr,
+    WIN, INP, EXT, LAG, W, BIAS, KQ, V, B, A, A_LOG, DT_BIAS, BETA, LOG_GATE,
+    nodes, channels, inp_stride, b_stride, a_stride,
+    KEY_HEADS: tl.constexpr, HEADS: tl.constexpr, REPEAT: tl.constexpr, D: tl.constexpr, TAPS: tl.constexpr,
+    WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, HAS_EXT: tl.constexpr, HAS_GATES: tl.constexpr,
 ):
     """Program (node t, head segment s): the conv over t's ancestry + SiLU of one head's channels, then
-    (q, k heads) the l2 norm; writes q_ / k_ [Hk, q, D] and v [H, q, D] in float32."""
+    (q, k heads) the l2 norm, stored for each value head the key head serves; (v heads) the gates of
+    value head s - 2 Hk at node t. Rows of the extended input below TAPS - 1 are the window's, the
+    rest the node inputs' (WINDOW = TAPS - 1)."""
     t = tl.program_id(0)
     s = tl.program_id(1)
-    c = s * D + tl.arange(0, D)  # q heads, then k heads, then v heads: the conv channels in order
+    d = tl.arange(0, D)
+    c = s * D + d  # q heads, then k heads, then v heads: the conv channels in order
     acc = tl.zeros((D,), dtype=tl.float32)
     for lag in tl.static_range(TAPS):  # tap `lag` reads the input `lag` steps back with weight[:, K-1-lag]
         row = tl.load(LAG + t * TAPS + lag)
-        x = tl.load(EXT + row * channels + c).to(tl.float32)
-        acc += x * tl.load(W + c * TAPS + (TAPS - 1 - lag)).to(tl.float32)
+        in_window = row < WINDOW
+        x = tl.where(in_window,
+                     tl.load(WIN + row * channels + c, mask=in_window & (d < D), other=0.0),
+                     tl.load(INP + (row - WINDOW) * inp_stride + c, mask=(row >= WINDOW) & (d < D), other=0.0))
+        if HAS_EXT:
+            if lag == 0:  # row window + t: the node's own input
+                tl.store(EXT + row * channels + c, x)
+        acc += x.to(tl.float32) * tl.load(W + c * TAPS + (TAPS - 1 - lag)).to(tl.float32)
+    if HAS_EXT:
+        if t == 0:  # the committed window heads the extended rows
+            for i in tl.static_range(WINDOW):
+                tl.store(EXT + i * channels + c, tl.load(WIN + i * channels + c))
     if HAS_BIAS:
         acc += tl.load(BIAS + c).to(tl.float32)
     x = acc * tl.sigmoid(acc)
-    x = x.to(EXT.dtype.element_ty).to(tl.float32)  # the torch path rounds the conv output to the model dtype
+    x = x.to(WIN.dtype.element_ty).to(tl.float32)  # the torch path rounds the conv output to the model dtype
     if s < 2 * KEY_HEADS:
         x = x * tl.rsqrt(tl.sum(x * x, axis=0) + 1e-6)
-        if s < KEY_HEADS:
-            tl.store(QN + (s * nodes + t) * D + tl.arange(0, D), x * SCALE)
-        else:
-            tl.store(KN + ((s - KEY_HEADS) * nodes + t) * D + tl.arange(0, D), x)
+        is_query = s < KEY_HEADS
+        part = tl.where(is_query, 1, 0)  # KQ's k_ rows at 0, q_ rows at 1
+        hk = tl.where(is_query, s, s - KEY_HEADS)
+        x = tl.where(is_query, x * SCALE, x)
+        for r in tl.static_range(REPEAT):
+            tl.store(KQ + (((hk * REPEAT + r) * 2 + part) * nodes + t) * D + d, x)
     else:
-        tl.store(V + ((s - 2 * KEY_HEADS) * nodes + t) * D + tl.arange(0, D), x)
+        h = s - 2 * KEY_HEADS
+        tl.store(V + (h * nodes + t) * D + d, x)
+        if HAS_GATES:
+            b = tl.load(B + t * b_stride + h).to(tl.float32)
+            tl.store(BETA + t * HEADS + h, tl.sigmoid(b).to(BETA.dtype.element_ty))
+            # softplus as torch's (threshold 20), log1p(e) = log(u) e / (u - 1) with u = 1 + e
+            z = tl.load(A + t * a_stride + h).to(tl.float32) + tl.load(DT_BIAS + h).to(tl.float32)
+            e = tl.exp(z)
+            u = 1.0 + e
+            softplus = tl.where(z > 20.0, z, tl.where(u == 1.0, e, tl.log(u) * e / (u - 1.0)))
+            tl.store(LOG_GATE + t * HEADS + h, -tl.exp(tl.load(A_LOG + h).to(tl.float32)) * softplus)
 
 
-def prologue(extended: torch.Tensor, lag_index: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-             key_heads: int, heads: int, head_dim: int):
-    """(q_ [Hk, q, D] scaled, k_ [Hk, q, D], v [H, q, D]) float32 from the conv inputs ``extended``
-    [window+q, C] as ``deltanet.tree_conv`` + l2 normalisation compute them (dk = dv = D)."""
+def prologue(
+    window: torch.Tensor,  # [K-1, C] committed conv inputs, oldest first (the model dtype)
+    inputs: torch.Tensor,  # [q, C] the nodes' conv inputs (rows may be strided)
+    lag_index: torch.Tensor,  # [q, K] rows of cat(window, inputs), from ``deltanet.conv_lag_index``
+    weight: torch.Tensor,  # [C, K] depthwise kernel
+    bias: torch.Tensor | None,
+    key_heads: int,
+    heads: int,
+    head_dim: int,
+    extended: torch.Tensor | None = None,  # [K-1+q, C]: if given, receives cat(window, inputs)
+    gates: tuple[torch.Tensor, ...] | None = None,  # (b [q, H], a [q, H], A_log [H], dt_bias [H]); rows may be strided
+) -> PrologueOutputs:
+    """q_, k_, v as ``deltanet.tree_conv`` + l2 normalisation compute them (dk = dv = D), and the gates."""
     nodes, taps = lag_index.shape
-    channels = extended.shape[1]
-    device = extended.device
-    q_ = torch.empty(key_heads, nodes, head_dim, dtype=torch.float32, device=device)
-    k_ = torch.empty_like(q_)
+    channels = inputs.shape[1]
+    device = inputs.device
+    kq = torch.empty(heads, 2, nodes, head_dim, dtype=torch.float32, device=device)
     v = torch.empty(heads, nodes, head_dim, dtype=torch.float32, device=device)
+    beta = log_gate = None
+    b = a = a_log = dt_bias = weight  # placeholders the kernel does not read without gates
+    if gates is not None:
+        b, a, a_log, dt_bias = (x if x.stride(-1) == 1 else x.contiguous() for x in gates)
+        beta = torch.empty(nodes, heads, dtype=b.dtype, device=device)
+        log_gate = torch.empty(nodes, heads, dtype=torch.float32, device=device)
     _prologue_kernel[(nodes, 2 * key_heads + heads)](
-        extended, lag_index, weight.contiguous(), bias if bias is not None else weight, q_, k_, v, nodes, channels,
-        KEY_HEADS=key_heads, HEADS=heads, D=head_dim, TAPS=taps, HAS_BIAS=bias is not None, SCALE=head_dim**-0.5,
+        window, inputs, extended if extended is not None else window, lag_index, weight.contiguous(),
+        bias if bias is not None else weight, kq, v, b, a, a_log, dt_bias,
+        beta if beta is not None else v, log_gate if log_gate is not None else v,
+        nodes, channels, inputs.stride(0), b.stride(0), a.stride(0),
+        KEY_HEADS=key_heads, HEADS=heads, REPEAT=heads // key_heads, D=head_dim, TAPS=taps, WINDOW=taps - 1,
+        HAS_BIAS=bias is not None, SCALE=head_dim**-0.5, HAS_EXT=extended is not None, HAS_GATES=gates is not None,
         num_warps=1,
     )
-    return q_, k_, v
+    return PrologueOutputs(kq, v, beta, log_gate)
 
 
 @triton.jit
@@ -153,8 +225,8 @@ def gated_norm(out: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: fl
 
 
 @triton.jit
-def _chain_state_kernel(K, V, G, BETA, S, count: tl.constexpr, HEADS: tl.constexpr, REPEAT: tl.constexpr,
-                        DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+def _chain_state_kernel(K, V, G, BETA, S, k_stride, count: tl.constexpr, HEADS: tl.constexpr,
+                        REPEAT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
     """Program (value head h, block of value columns): the recurrent delta rule over ``count`` tokens with
     the state block [DK, BV] in registers, read once and written back in place. (``count`` is a
     compile-time constant: a commit's path length, one variant per length, as the commit graphs are.)"""
@@ -165,7 +237,7 @@ def _chain_state_kernel(K, V, G, BETA, S, count: tl.constexpr, HEADS: tl.constex
     block = S + h * DK * DV + d[:, None] * DV + cols[None, :]
     state = tl.load(block)
     for t in range(count):
-        key = tl.load(K + (hk * count + t) * DK + d)
+        key = tl.load(K + hk * k_stride + t * DK + d)
         value = tl.load(V + (h * count + t) * DV + cols)
         state = state * tl.exp(tl.load(G + t * HEADS + h))
         delta = tl.load(BETA + t * HEADS + h).to(tl.float32) * (value - tl.sum(state * key[:, None], axis=0))
@@ -175,12 +247,15 @@ def _chain_state_kernel(K, V, G, BETA, S, count: tl.constexpr, HEADS: tl.constex
 
 def advance_state(k_: torch.Tensor, v_: torch.Tensor, log_gate: torch.Tensor, beta: torch.Tensor,
                   state: torch.Tensor) -> None:
-    """state [H, dk, dv] float32 advanced in place over a chain: k_ [Hk, c, dk] (normalised), v_ [H, c, dv],
-    log_gate / beta [c, H] (the sequential kernel's arithmetic: what a commit needs)."""
+    """state [H, dk, dv] float32 advanced in place over a chain: k_ [Hk, c, dk] (normalised; or one per value
+    head, [H, c, dk]; rows contiguous, heads any stride), v_ [H, c, dv], log_gate / beta [c, H] (the
+    sequential kernel's arithmetic: what a commit needs)."""
     key_heads, count, dk = k_.shape
     heads, _, dv = v_.shape
     block = min(dv, 32)
+    if k_.stride(2) != 1 or k_.stride(1) != dk:
+        k_ = k_.contiguous()
     _chain_state_kernel[(heads, dv // block)](
-        k_, v_, log_gate.float().contiguous(), beta.contiguous(), state, count,
+        k_, v_.contiguous(), log_gate.float().contiguous(), beta.contiguous(), state, k_.stride(0), count,
         HEADS=heads, REPEAT=heads // key_heads, DK=dk, DV=dv, BV=block, num_warps=4,
     )

@@ -533,10 +533,14 @@ class StaticTarget:
         block = self.linear_blocks.get(i)  # the fused norms and MLP around a GDN mixer, if any
         mixed = block.norm(hidden) if block is not None else layer.input_layernorm(hidden)
         if self.layer_types[i] == "linear_attention":
-            mixed, pending = self.gdn[i](mixed, on["tree"], self.conv_windows[i], self.states[i], commit)
+            # with the fused block the mixer returns hidden + its output (the sum in out_proj's epilogue)
+            residual = hidden if block is not None else None
+            mixed, pending = self.gdn[i](mixed, on["tree"], self.conv_windows[i], self.states[i], commit, residual)
             if pending is not None:
                 self.pending[i] = pending
                 self.state_bytes += pending.nbytes()
+            if block is not None:
+                return block.finish_summed(mixed)
         else:
             kwargs = {self._cache_kwarg: self.kv}
             mixed = self._reduced(layer.self_attn(

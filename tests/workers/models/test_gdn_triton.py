@@ -48,6 +48,43 @@ def test_triton_tree_kernel_equals_the_torch_path(q, depth, dk, dv):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prologue_kernel_equals_the_torch_conv_norms_and_gates(dtype):
+    """The conv prologue reading the window and strided node inputs in place: the extended inputs
+    exactly, q_/k_/v, beta and log_gate as the torch path computes them (softplus over a wide range)."""
+    import torch.nn.functional as F
+
+    from workers.models.deltanet import conv_lag_index, l2_normalize, tree_conv
+    from workers.models.gdn_triton import prologue
+
+    g = torch.Generator().manual_seed(3)
+    hk, h, d, taps, q = 4, 12, 64, 4, 33
+    channels = 2 * hk * d + h * d
+    parents = random_tree_parents(q, 15, g)
+    lag_index = conv_lag_index(parents, taps - 1).cuda()
+    projection = torch.randn(q, channels + 40 + 2 * h, generator=g).to(dtype).cuda()  # [conv inputs | z | b | a]
+    inputs, b, a = projection[:, :channels], projection[:, -2 * h : -h], projection[:, -h:] * 10
+    window = torch.randn(taps - 1, channels, generator=g).to(dtype).cuda()
+    weight, bias = torch.randn(channels, taps, generator=g).to(dtype).cuda(), torch.randn(channels).to(dtype).cuda()
+    A_log, dt_bias = torch.randn(h).to(dtype).cuda(), torch.randn(h).to(dtype).cuda()
+    extended = torch.empty(taps - 1 + q, channels, dtype=dtype, device="cuda")
+    got = prologue(window, inputs, lag_index, weight, bias, hk, h, d, extended, (b, a, A_log, dt_bias))
+
+    conv, want_extended = tree_conv(inputs, window, weight, bias, lag_index)
+    query, key, value = conv.to(dtype).float().split([hk * d, hk * d, h * d], dim=-1)
+    repeat = h // hk
+    want_q = (l2_normalize(query.view(q, hk, d)) * d**-0.5).repeat_interleave(repeat, dim=1).transpose(0, 1)
+    want_k = l2_normalize(key.view(q, hk, d)).repeat_interleave(repeat, dim=1).transpose(0, 1)
+    want_log_gate = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    assert torch.equal(extended, want_extended)
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got.kq[:, 1], want_q, **tolerance)
+    torch.testing.assert_close(got.kq[:, 0], want_k, **tolerance)
+    torch.testing.assert_close(got.v, value.view(q, h, d).transpose(0, 1), **tolerance)
+    torch.testing.assert_close(got.beta, b.sigmoid(), **tolerance)
+    torch.testing.assert_close(got.log_gate, want_log_gate, atol=1e-5, rtol=1e-5)
+
+
 @torch.inference_mode()
 def test_hybrid_on_cuda_through_the_kernel_gives_the_cpu_tree_logits():
     from workers.decoding.tree import TreeParams, build_tree
@@ -100,6 +137,10 @@ def test_gdn_layer_through_the_kernels_equals_its_torch_path(dtype, chain):
     (want, want_state, want_window), (got, got_state, got_window) = results
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
     assert ((got - want).norm() / want.norm()).item() < tolerance
+    # the residual in out_proj's epilogue
+    summed, _ = layer(hidden, shape, window0.clone(), state0.clone(), commit=chain, residual=hidden)
+    want_summed = hidden.float() + got
+    assert ((summed.float() - want_summed).norm() / want_summed.norm()).item() < tolerance
     if chain:
         assert ((got_state - want_state).norm() / want_state.norm()).item() < tolerance
         assert torch.equal(got_window, want_window)
