@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.models.deltanet import (
+    MAX_PATH,
     PendingLayer,
     TreeShape,
     chain_conv,
@@ -62,6 +63,11 @@ class GDNLayer:
         self.conv_weight = weight  # the weights this object was made for (replaced when the model is sharded)
         self.kernels = (weight.is_cuda and mixer.head_k_dim == mixer.head_v_dim
                         and kernel_fits(mixer.head_k_dim, mixer.head_v_dim) and triton_available())
+        if self.kernels:  # every commit length compiled now, not inside a timed round
+            from workers.models.gdn_triton import compile_commit_lengths
+
+            compile_commit_lengths(mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim, weight.dtype, weight.device,
+                                   MAX_PATH)
 
     def is_current(self) -> bool:
         """Whether the mixer's projection weights are still views of this object's fused matrix."""

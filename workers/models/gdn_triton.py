@@ -245,6 +245,28 @@ def _chain_state_kernel(K, V, G, BETA, S, k_stride, count: tl.constexpr, HEADS: 
     tl.store(block, state)
 
 
+_COMPILED_COMMITS: set[tuple] = set()  # (heads, dk, dv, beta dtype, device) whose lengths are all compiled
+
+
+def compile_commit_lengths(heads: int, dk: int, dv: int, beta_dtype: torch.dtype, device: torch.device,
+                           longest: int = 16) -> None:
+    """Compile ``advance_state``'s kernel for every path length 1..``longest`` once per process.
+
+    The length is a compile-time constant of the kernel, so the first commit of each new accepted
+    length would otherwise compile a variant (about half a second) inside a timed round. Runs the
+    kernel on zeros of the commit's layout (keys strided per head as the prologue writes them)."""
+    key = (heads, dk, dv, beta_dtype, str(device))
+    if key in _COMPILED_COMMITS:
+        return
+    state = torch.zeros(heads, dk, dv, dtype=torch.float32, device=device)
+    for count in range(1, longest + 1):
+        keys = torch.zeros(heads, 2, count, dk, dtype=torch.float32, device=device)[:, 0]  # as ``kq[:, 0]``
+        values = torch.zeros(heads, count, dv, dtype=torch.float32, device=device)
+        gates = torch.zeros(count, heads, dtype=torch.float32, device=device)
+        advance_state(keys, values, gates, torch.zeros(count, heads, dtype=beta_dtype, device=device), state)
+    _COMPILED_COMMITS.add(key)
+
+
 def advance_state(k_: torch.Tensor, v_: torch.Tensor, log_gate: torch.Tensor, beta: torch.Tensor,
                   state: torch.Tensor) -> None:
     """state [H, dk, dv] float32 advanced in place over a chain: k_ [Hk, c, dk] (normalised; or one per value

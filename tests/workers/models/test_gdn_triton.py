@@ -177,3 +177,22 @@ def test_commit_through_the_kernels_equals_the_chunked_replay():
             results.append((state, window))
         torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-5)
         assert torch.equal(results[1][1], results[0][1])
+
+
+def test_a_gdn_layer_on_cuda_compiles_every_commit_length_up_front():
+    """The commit kernel's length is a compile-time constant: every length is compiled when the layer is
+    made (not by the first commit of that length, inside a timed round), and a second layer of the
+    same shape compiles nothing again."""
+    from workers.models import gdn_triton
+    from workers.models.gdn_layer import GDNLayer
+    from workers.models.shapes import build_random_target
+
+    model = build_random_target("qwen3.6-mini", torch.bfloat16, torch.device("cuda"))
+    mixer = model.model.layers[0].linear_attn
+    layer = GDNLayer(mixer)
+    assert layer.kernels
+    key = (mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim, torch.bfloat16, "cuda:0")
+    assert key in gdn_triton._COMPILED_COMMITS
+    size = len(gdn_triton._COMPILED_COMMITS)
+    GDNLayer(model.model.layers[1].linear_attn)
+    assert len(gdn_triton._COMPILED_COMMITS) == size
