@@ -17,6 +17,7 @@ from pathlib import Path
 import optuna
 import pytest
 import ray
+import torch
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
@@ -145,6 +146,37 @@ def test_pruning_stops_every_rank_after_the_same_prompt(tiny_dir, two_workers):
     assert len(items) < 4
     after = ray.get(tp.handle.run_trial.remote(_spec(tiny_dir, ARParams())), timeout=GET_TIMEOUT)
     assert after.status is TrialStatus.OK, after.error  # the ranks are still in step
+
+
+def test_predictions_run_on_every_rank_and_replay_what_one_actor_does(tiny_dir, two_workers):
+    """The predicted sampler's calls (acceptance replay, the cost table) go to every rank in lockstep:
+    a TP=2 worker's tables equal a one-actor worker's (the same tokens and top-k ids; log-probabilities
+    to rounding); its cost table covers the same pieces."""
+    tp, single = two_workers
+    spec = _spec(tiny_dir, TreeParams(8, max_depth=4, branching=2), prompts=2, max_new_tokens=12)
+    grouped, alone = ray.get([tp.handle.replay_tables.remote(spec, 8), single.handle.replay_tables.remote(spec, 8)],
+                             timeout=GET_TIMEOUT)
+    assert len(grouped) == 2 and _same(grouped, alone)
+    settings = [{"tree_budget": b, "max_depth": 4, "branching": 2} for b in (2, 8)]
+    costs = ray.get([tp.handle.measure_costs.remote(spec, settings),
+                     single.handle.measure_costs.remote(spec, settings)], timeout=GET_TIMEOUT)
+    assert set(costs[0]["verify_s"]) == set(costs[1]["verify_s"]) and all(v > 0 for v in costs[0]["verify_s"].values())
+    after = ray.get(tp.handle.run_trial.remote(_spec(tiny_dir, ARParams())), timeout=GET_TIMEOUT)
+    assert after.status is TrialStatus.OK, after.error  # the ranks are still in step
+
+
+def _same(a, b) -> bool:
+    """Equal nested dicts / lists whose leaves may be tensors: integer tensors (token ids, matches)
+    exactly, float ones (log-probabilities, summed in another order across ranks) to float32 rounding."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dtype != b.dtype:
+            return False
+        return torch.allclose(a, b, atol=1e-5, rtol=1e-5) if a.is_floating_point() else torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 # -- two nodes (the cluster of tests/orchestrator/test_pool.py) -----------------------------------
