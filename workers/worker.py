@@ -8,8 +8,8 @@ becomes a result with status "oom" (memory freed, worker still usable); any othe
 status "error" with its message. Ray wraps this class in the orchestrator; it does not need Ray.
 
 Tensor parallel (``tensor_parallel = N``): N workers, one per rank of a ``TPGroup``, each call
-``load(tp)`` (every rank loads the whole model on its own device, keeps its shard, and loads the
-drafter whole) and then ``run_trial`` with the same spec. Every rank runs the same rounds in
+``load(tp)`` (every rank reads the checkpoint on the CPU, keeps its shard, moves only that to its
+device, and loads the drafter whole) and then ``run_trial`` with the same spec. Every rank runs the same rounds in
 lockstep; only rank 0 gets ``on_prompt``, and its stop decision is broadcast after each prompt.
 """
 
@@ -159,8 +159,8 @@ class Worker:
 
     def load(self, tp: TPGroup | None = None) -> Worker:
         """Load target and drafter. ``tp``: this process's rank of a tensor-parallel group of
-        ``config.tensor_parallel`` ranks; the target goes whole onto this process's device (its GPU as
-        cuda:0, or the CPU) and is then cut to this rank's shard."""
+        ``config.tensor_parallel`` ranks; this rank's shard of the target goes onto this process's
+        device (its GPU as cuda:0, or the CPU), see ``_load_shard``."""
         cfg = self.config
         world = 1 if tp is None else tp.world
         if world != cfg.tensor_parallel:
