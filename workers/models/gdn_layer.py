@@ -17,6 +17,7 @@ state is that of the local heads, and ``reduce`` (an all-reduce) sums out_proj's
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -66,8 +67,12 @@ class GDNLayer:
         if self.kernels:  # every commit length compiled now, not inside a timed round
             from workers.models.gdn_triton import compile_commit_lengths
 
-            compile_commit_lengths(mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim, weight.dtype, weight.device,
-                                   MAX_PATH)
+            try:
+                compile_commit_lengths(mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim, weight.dtype,
+                                       weight.device, MAX_PATH)
+            except Exception as exc:  # an optimisation only: commits then compile each length on first use
+                warnings.warn(f"compiling the GDN commit kernel ahead failed ({type(exc).__name__}: "
+                              f"{str(exc)[:200]}); each path length compiles on its first commit", stacklevel=2)
 
     def is_current(self) -> bool:
         """Whether the mixer's projection weights are still views of this object's fused matrix."""
