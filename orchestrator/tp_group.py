@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import sys
 import threading
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from workers.errors import SpecDecError
+from workers.local_group import free_port
 from workers.memory import MemoryTrace
 from workers.models.tensor_parallel import join_group
 from workers.worker import TrialResult, TrialStatus, Worker, WorkerConfig
@@ -96,7 +96,7 @@ class RankGroup:
     def __init__(self, worker_config: dict[str, Any], plan: GroupPlan) -> None:
         """Start ranks 1..N-1 and open the group's rendezvous on this host (rank 0 serves it)."""
         self.plan = plan
-        self.init_method = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
+        self.init_method = f"tcp://{ray.util.get_node_ip_address()}:{free_port('')}"
         remote = ray.remote(concurrency_groups={"lifeline": 1})(RankActor)
         self.others = [
             remote.options(**plan.rank_options, scheduling_strategy=in_bundle(plan.placement_group, rank)).remote(
@@ -193,12 +193,6 @@ def _merged_trace(traces: list[MemoryTrace]) -> MemoryTrace:
         peak_reserved_bytes=by_rank("peak_reserved_bytes"), peak_nvml_used_bytes=by_rank("peak_nvml_used_bytes"),
         note="; ".join(notes),
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def _exit(reason: str) -> None:

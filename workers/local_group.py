@@ -38,10 +38,10 @@ class RankOutcome:
         return self.exitcode == 0 and self.error is None
 
 
-def free_port() -> int:
-    """A TCP port on localhost that was free a moment ago (the group's rendezvous)."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` ("": every interface) that was free a moment ago (a group's rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 

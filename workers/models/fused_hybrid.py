@@ -125,12 +125,10 @@ class HybridMLP:
 
 
 class HybridLinearLayer:
-    """The norms and MLP around a Gated DeltaNet layer's token mixer; the runner calls the mixer:
+    """The norms and MLP around a Gated DeltaNet layer's token mixer, which adds the residual itself
+    (``GDNLayer``'s ``residual``: the sum in out_proj's epilogue); the runner calls
 
-        mixed = mixer(layer.input_norm(hidden)); hidden = layer.finish(hidden, mixed)
-
-    or, where the mixer adds the residual itself (``GDNLayer``'s ``residual``, the sum in out_proj's
-    epilogue), ``hidden = layer.finish_summed(mixer(layer.norm(hidden), residual=hidden))``.
+        hidden = layer.finish_summed(mixer(layer.norm(hidden), residual=hidden))
     """
 
     def __init__(self, layer: nn.Module, reduce: Reduce | None = None) -> None:
@@ -148,16 +146,6 @@ class HybridLinearLayer:
     def norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [1, q, H] -> the mixer's input [1, q, H]."""
         return one_plus_rms_norm(hidden, self.input_norm)
-
-    def finish(self, hidden: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
-        """hidden, mixed [1, q, H] (the mixer's output, reduced if sharded) -> the layer's output [1, q, H]."""
-        mlp = self.mlp
-        if hidden.is_cuda and mlp.gate_up_weight is not None and _kernels_available():  # the sum and norm in one
-            from workers.models.fused_hybrid_triton import add_one_plus_rms_norm
-
-            residual, normed = add_one_plus_rms_norm(hidden[0], mixed[0], mlp.post_norm.weight, mlp.post_norm.eps)
-            return mlp.dense_mlp(residual, normed).unsqueeze(0)
-        return mlp((hidden + mixed)[0]).unsqueeze(0)
 
     def finish_summed(self, summed: torch.Tensor) -> torch.Tensor:
         """summed [1, q, H] (hidden + the mixer's output, the mixer's out_proj having added them) -> the

@@ -3,7 +3,7 @@
 ``one_plus_rms_norm``: Qwen3.5's ``1 + weight`` RMSNorm, which transformers computes as six to nine
 small kernels (cast, square, mean, add, rsqrt, two products, cast back): one program per row
 reduces in float32 and stores the row rounded to the model dtype once, as transformers does.
-``add_one_plus_rms_norm``: the residual sum and the next norm together. ``norm_rotate_heads``: a
+``norm_rotate_heads``: a
 gated attention layer's q/k norms, partial rotary, K/V cache write and query fold in one kernel.
 ``silu_mul``: the MLP's activation. Tested against the torch forms in
 ``tests/workers/models/test_fused_hybrid.py`` (GPU-marked).
@@ -97,29 +97,6 @@ def norm_rotate_heads(heads: torch.Tensor, q_weight: torch.Tensor, k_weight: tor
         num_warps=1 if d <= 128 else 2,
     )
     return folded
-
-
-@triton.jit
-def _add_norm_kernel(A, B, W, SUM, OUT, n, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    valid = cols < n
-    total = tl.load(A + row * n + cols, mask=valid, other=0.0) + tl.load(B + row * n + cols, mask=valid, other=0.0)
-    tl.store(SUM + row * n + cols, total, mask=valid)  # the residual stream, in the model dtype as torch adds it
-    x = total.to(tl.float32)
-    w = tl.load(W + cols, mask=valid, other=0.0).to(tl.float32)
-    y = x * tl.rsqrt(tl.sum(x * x, axis=0) / n + eps) * (1.0 + w)
-    tl.store(OUT + row * n + cols, y.to(OUT.dtype.element_ty), mask=valid)
-
-
-def add_one_plus_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: float):
-    """(a + b, its ``1 + weight`` RMSNorm) for contiguous a, b [q, N], in one kernel."""
-    a, b, n = a.contiguous(), b.contiguous(), a.shape[-1]
-    total, out = torch.empty_like(a), torch.empty_like(a)
-    block = triton.next_power_of_2(n)
-    _add_norm_kernel[(a.numel() // n,)](a, b, weight, total, out, n, eps, BLOCK=block,
-                                        num_warps=min(16, max(1, block // 512)))
-    return total, out
 
 
 @triton.jit

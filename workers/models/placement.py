@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.errors import BadInputError
+from workers.models.static_target import MAX_VERIFY_GRAPHS
 from workers.seam import text_config
 
 FIXED_BYTES = int(1.5 * 2**30)  # CUDA context, cuBLAS / attention workspaces, allocator slack
@@ -48,7 +49,7 @@ class RunBudget:
 
     max_tokens: int = 16384  # prompt + generated + one verify pass
     max_verify: int = 1025  # nodes in one verify pass (tree budget + 1)
-    graph_widths: int = 4  # verify graphs kept captured (static_target.MAX_VERIFY_GRAPHS); 0 = eager
+    graph_widths: int = MAX_VERIFY_GRAPHS  # verify graphs a target keeps captured; 0 = eager
 
 
 @dataclass(frozen=True)

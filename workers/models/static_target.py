@@ -546,8 +546,6 @@ class StaticTarget:
             mixed = self._reduced(layer.self_attn(
                 hidden_states=mixed, position_embeddings=(on["cos"], on["sin"]), attention_mask=on["mask"], **kwargs
             )[0])
-        if block is not None:
-            return block.finish(hidden, mixed)
         hidden = hidden + mixed
         mlp_out = layer.mlp(layer.post_attention_layernorm(hidden))
         return hidden + self._reduced(mlp_out[0] if isinstance(mlp_out, tuple) else mlp_out)

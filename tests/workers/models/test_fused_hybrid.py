@@ -119,7 +119,7 @@ def test_linear_layer_norms_and_mlp_equal_transformers_layer(request, name, monk
         monkeypatch.setattr(layer, "linear_attn", stub)
         with torch.no_grad():
             want = layer(hidden, position_embeddings=None)
-            got_norm, got = fused.norm(hidden), fused.finish(hidden, mixed)
+            got_norm, got = fused.norm(hidden), fused.finish_summed(hidden + mixed)
         torch.testing.assert_close(got_norm, stub.seen, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
         assert (fused.mlp.gate_up_weight is None) == (name == "tiny_next")  # MoE keeps the module
@@ -181,18 +181,11 @@ def test_triton_norm_equals_the_torch_form(dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_add_norm_and_silu_mul_kernels_equal_torch(dtype):
-    from workers.models.fused_hybrid_triton import add_one_plus_rms_norm, silu_mul
+def test_silu_mul_kernel_equals_torch(dtype):
+    from workers.models.fused_hybrid_triton import silu_mul
 
     generator = torch.Generator().manual_seed(1)
-    a, b = (torch.randn(9, 5120, generator=generator).to("cuda", dtype) for _ in range(2))
-    norm = nn.Module()
-    norm.weight, norm.eps = torch.randn(5120, generator=generator).cuda() * 0.3, 1e-6
-    total, normed = add_one_plus_rms_norm(a, b, norm.weight, norm.eps)
-    torch.testing.assert_close(total, a + b, atol=0, rtol=0)
-    want = (torch.nn.functional.rms_norm((a + b).float(), (5120,), eps=1e-6) * (1.0 + norm.weight)).to(dtype)
     tolerance = {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
-    torch.testing.assert_close(normed, want, **tolerance)
     gate_up = torch.randn(9, 2 * 3000, generator=generator).to("cuda", dtype) * 3
     want = torch.nn.functional.silu(gate_up[:, :3000]) * gate_up[:, 3000:]
     torch.testing.assert_close(silu_mul(gate_up), want, **tolerance)
