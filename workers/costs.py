@@ -1,8 +1,8 @@
 """A measured cost table per actor, and the predicted speed of a setting from it and the replay.
 
 The field's identity (CaDDTree, BASTION, Sequoia): tokens/s = committed tokens / sum over rounds of
-(draft + tree build + verify(q) + commit). ``measure_costs`` times each piece on this actor's target
-and drafter, once: the verify pass per width q (root + nodes), the drafter's pass per new-context
+(draft + tree build + verify(q) + commit; AR: one advance). ``measure_costs`` times each piece on this
+actor's target and drafter, once: the verify pass per width q (root + nodes), the drafter's pass per new-context
 length, the tree build per (budget, branching, depth), the commit per path length, and a per-round
 remainder (sampling, the walk, the host read) calibrated from one real engine run per method, whose
 rounds are known. ``predict`` combines the table with ``workers.decoding.replay`` round lengths.
@@ -78,7 +78,7 @@ class CostTable:
 
     device: str
     context_length: int
-    verify_s: dict[int, float]  # pass width q (root + nodes) -> seconds
+    verify_s: dict[int, float]  # pass width q (root + nodes) -> seconds; q = 1: AR's advance (commits too)
     draft_s: dict[int, float]  # new-context tokens fed with the block -> seconds
     tree_s: dict[str, dict[int, dict[int, float]]]  # branching ("None" = unlimited) -> depth -> budget -> s
     commit_s: dict[int, float]  # committed path length (bonus included) -> seconds
@@ -106,6 +106,8 @@ class CostTable:
 
     def round_s(self, method: str, setting: dict[str, Any], block_size: int, committed: int, previous: int) -> float:
         """One round that commits ``committed`` tokens after a round that committed ``previous``."""
+        if method == "ar":  # one advance: the pass commits its token as it goes
+            return self.verify(1) + self.overhead_s.get(method, 0.0)
         seconds = self.verify(verify_width(method, setting, block_size)) + self.commit(committed)
         seconds += self.overhead_s.get(method, 0.0)
         if method != "ar":
@@ -244,8 +246,8 @@ def measure_costs(target, drafter, method: str, settings: list[dict[str, Any]], 
     verify_s = {}
     fake_logits = torch.randn(block - 1 if block > 1 else 1, vocab + 1, generator=generator)
     for q in sorted(widths):
-        if q == 1:
-            verify_s[q] = _time(lambda: target.verify_chain(root), sync, repeats)
+        if q == 1:  # only AR's rounds are one token wide, and they advance (see ``ar.generate``)
+            verify_s[q] = _time(lambda: target.advance(root), sync, repeats)
             continue
         tree = build_tree(torch.log_softmax(fake_logits, dim=-1), TreeParams(q - 1)).to(target.device)
         verify_s[q] = _time(lambda tree=tree: target.verify_tree(root[0], tree), sync, repeats)

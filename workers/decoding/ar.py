@@ -1,6 +1,7 @@
 """Autoregressive decoding: the baseline every speculative method is measured against.
 
-Each round feeds the last token and samples one more; ``acceptance_lengths`` is all ones.
+Each round feeds the last token (``advance``: kept as it is verified, so no separate commit) and
+samples one more; ``acceptance_lengths`` is all ones.
 """
 
 from __future__ import annotations
@@ -26,15 +27,12 @@ def generate(
     start = open_generation(target, prompt_ids, config, max_verify=1)
     out, generator, bonus = start.out, start.generator, start.bonus
 
-    root_only = torch.zeros(1, dtype=torch.long, device=bonus.device)  # what every commit keeps
-
     rounds: list[int] = []
     while not out.done:
-        with timer.stage("verify"):
-            logits = target.verify_chain(bonus).logits  # [1, V]
+        with timer.stage("verify"):  # the token is kept whatever comes next: one pass that also commits it
+            logits = target.advance(bonus).logits  # [1, V]
         with timer.stage("commit"):
             bonus = sample_tokens(logits, config.temperature, generator)
-            target.commit(root_only)
             out.extend([int(bonus.item())])  # sync: one token per round reaches the host
         rounds.append(1)
 

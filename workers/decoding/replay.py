@@ -81,14 +81,12 @@ def record(target, drafter, prompt_ids: torch.Tensor, config: GenerationConfig, 
     """
     block = drafter.block_size
     depth = block - 1
-    device = target.device
     total = config.max_new_tokens + block  # enough for a round at the last start to look depth ahead
     target.start(capacity=prompt_ids.shape[1] + total + 1, max_verify=1)
     prefill = target.prefill(prompt_ids)
     generator = make_generator(config.seed, prefill.logits.device)
     token = sample_tokens(prefill.logits[-1:], config.temperature, generator)  # [1]
     tokens, taps = [int(token.item())], []  # sync: host-side bookkeeping, not a timed path
-    root_only = torch.zeros(1, dtype=torch.long, device=device)
     stops = set(config.stop_token_ids)
     ended_at = None  # output index where the engines' output would end
     while True:
@@ -96,10 +94,9 @@ def record(target, drafter, prompt_ids: torch.Tensor, config: GenerationConfig, 
             ended_at = len(tokens) - 1
         if ended_at is not None and len(tokens) > ended_at + block:
             break
-        verified = target.verify_chain(token)
+        verified = target.advance(token)
         taps.append(verified.taps)  # [1, 1, k*H]: taps of ``token``, known once it is fed
         token = sample_tokens(verified.logits, config.temperature, generator)
-        target.commit(root_only)
         tokens.append(int(token.item()))
     starts = ended_at  # a round starts at g only while the output is open: g = 0..ended_at-1
 

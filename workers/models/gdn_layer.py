@@ -17,6 +17,7 @@ state is that of the local heads, and ``reduce`` (an all-reduce) sums out_proj's
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 
@@ -129,7 +130,7 @@ class GDNLayer:
         else:
             conv_inputs, z, b, a = _project(mixer, hidden[0])
             z = z.reshape(q, -1)
-        from workers.models.gdn_triton import gated_norm, prologue, tree_outputs
+        from workers.models.gdn_triton import advance_state, gated_norm, prologue, tree_outputs
 
         # cat(window, inputs), as the commit replays from it: written by the prologue, not concatenated
         extended = torch.empty(self.window + q, self.conv_dim, dtype=conv_inputs.dtype, device=conv_inputs.device)
@@ -138,12 +139,19 @@ class GDNLayer:
                                           mixer.conv1d.bias, key_heads, heads, mixer.head_k_dim, extended,
                                           (b, a, mixer.A_log, mixer.dt_bias))
         pending = None
-        if shape.ancestors is None or commit:
-            out, new_state = chain_delta_rule_normalized(kq[:, 1], kq[:, 0], v_, log_gate, beta, state, repeated=True)
+        if commit and q <= MAX_PATH:  # a few tokens kept whole (AR's one): the recurrence, state in registers
+            out = advance_state(kq[:, 0], v_, log_gate, beta, state, queries=kq[:, 1])
+        elif shape.ancestors is None or commit:  # a long chain (prompt chunks): the chunked form
+            if hidden.dtype != torch.float32 and (fla_rule := fla_chunk_rule()) is not None:
+                out = _fla_chunked(fla_rule, kq, v_, log_gate, beta, state, key_heads, commit)
+            else:  # float32 (exact to rounding against the CPU path) or fla-core not installed
+                out, new_state = chain_delta_rule_normalized(kq[:, 1], kq[:, 0], v_, log_gate, beta, state,
+                                                             repeated=True)
+                if commit:
+                    state.copy_(new_state)
         else:
             out = tree_outputs(kq, v_, log_gate, beta, state, shape.ancestors, key_heads)
         if commit:
-            state.copy_(new_state)
             conv_window.copy_(extended[extended.shape[0] - self.window :])
         else:
             pending = PendingLayer(extended, shape.lag_index, log_gate, beta)
@@ -186,6 +194,29 @@ class GDNLayer:
         query, key, value = torch.split(conv_out, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
         return (query.reshape(q, -1, mixer.head_k_dim), key.reshape(q, -1, mixer.head_k_dim),
                 value.reshape(q, -1, mixer.head_v_dim))
+
+
+@functools.cache
+def fla_chunk_rule() -> Callable | None:
+    """``fla-core``'s Triton ``chunk_gated_delta_rule`` (tensor-core chunks) if installed, else None."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
+
+
+def _fla_chunked(rule: Callable, kq: torch.Tensor, v_: torch.Tensor, log_gate: torch.Tensor, beta: torch.Tensor,
+                 state: torch.Tensor, key_heads: int, commit: bool) -> torch.Tensor:
+    """The chunked delta rule through ``rule`` (fla's layout: [1, q, heads, d], keys once per key head):
+    outputs [q, H, dv] float32; with ``commit`` the final state is written into ``state``."""
+    repeat = kq.shape[0] // key_heads  # the prologue wrote each key head once per value head it serves
+    query, key = (kq[::repeat, part].transpose(0, 1).unsqueeze(0) for part in (1, 0))  # [1, q, Hk, d]
+    out, final = rule(query, key, v_.transpose(0, 1).unsqueeze(0), log_gate.unsqueeze(0), beta.unsqueeze(0),
+                      scale=1.0, initial_state=state.unsqueeze(0), output_final_state=commit)
+    if commit:
+        state.copy_(final[0])
+    return out[0]
 
 
 def _project(mixer: nn.Module, hidden: torch.Tensor):

@@ -225,11 +225,13 @@ def gated_norm(out: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: fl
 
 
 @triton.jit
-def _chain_state_kernel(K, V, G, BETA, S, k_stride, count: tl.constexpr, HEADS: tl.constexpr,
-                        REPEAT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+def _chain_state_kernel(K, Q, V, G, BETA, S, OUT, k_stride, count: tl.constexpr, HEADS: tl.constexpr,
+                        REPEAT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                        WITH_OUT: tl.constexpr):
     """Program (value head h, block of value columns): the recurrent delta rule over ``count`` tokens with
-    the state block [DK, BV] in registers, read once and written back in place. (``count`` is a
-    compile-time constant: a commit's path length, one variant per length, as the commit graphs are.)"""
+    the state block [DK, BV] in registers, read once and written back in place; with WITH_OUT each
+    token's output q_t S_t too. (``count`` is a compile-time constant: a commit's path length, one
+    variant per length, as the commit graphs are.)"""
     h = tl.program_id(0)
     cols = tl.program_id(1) * BV + tl.arange(0, BV)
     d = tl.arange(0, DK)
@@ -242,6 +244,9 @@ def _chain_state_kernel(K, V, G, BETA, S, k_stride, count: tl.constexpr, HEADS: 
         state = state * tl.exp(tl.load(G + t * HEADS + h))
         delta = tl.load(BETA + t * HEADS + h).to(tl.float32) * (value - tl.sum(state * key[:, None], axis=0))
         state += key[:, None] * delta[None, :]
+        if WITH_OUT:
+            query = tl.load(Q + hk * k_stride + t * DK + d)
+            tl.store(OUT + (t * HEADS + h) * DV + cols, tl.sum(state * query[:, None], axis=0))
     tl.store(block, state)
 
 
@@ -250,7 +255,8 @@ _COMPILED_COMMITS: set[tuple] = set()  # (heads, dk, dv, beta dtype, device) who
 
 def compile_commit_lengths(heads: int, dk: int, dv: int, beta_dtype: torch.dtype, device: torch.device,
                            longest: int = 16) -> None:
-    """Compile ``advance_state``'s kernel for every path length 1..``longest`` once per process.
+    """Compile ``advance_state``'s kernel for every path length 1..``longest`` once per process (and the
+    one-token variant with outputs, AR's ``advance``).
 
     The length is a compile-time constant of the kernel, so the first commit of each new accepted
     length would otherwise compile a variant (about half a second) inside a timed round. Runs the
@@ -260,24 +266,36 @@ def compile_commit_lengths(heads: int, dk: int, dv: int, beta_dtype: torch.dtype
         return
     state = torch.zeros(heads, dk, dv, dtype=torch.float32, device=device)
     for count in range(1, longest + 1):
-        keys = torch.zeros(heads, 2, count, dk, dtype=torch.float32, device=device)[:, 0]  # as ``kq[:, 0]``
+        kq = torch.zeros(heads, 2, count, dk, dtype=torch.float32, device=device)  # as the prologue writes it
         values = torch.zeros(heads, count, dv, dtype=torch.float32, device=device)
         gates = torch.zeros(count, heads, dtype=torch.float32, device=device)
-        advance_state(keys, values, gates, torch.zeros(count, heads, dtype=beta_dtype, device=device), state)
+        beta = torch.zeros(count, heads, dtype=beta_dtype, device=device)
+        advance_state(kq[:, 0], values, gates, beta, state)
+        if count == 1:
+            advance_state(kq[:, 0], values, gates, beta, state, queries=kq[:, 1])
     _COMPILED_COMMITS.add(key)
 
 
 def advance_state(k_: torch.Tensor, v_: torch.Tensor, log_gate: torch.Tensor, beta: torch.Tensor,
-                  state: torch.Tensor) -> None:
+                  state: torch.Tensor, queries: torch.Tensor | None = None) -> torch.Tensor | None:
     """state [H, dk, dv] float32 advanced in place over a chain: k_ [Hk, c, dk] (normalised; or one per value
     head, [H, c, dk]; rows contiguous, heads any stride), v_ [H, c, dv], log_gate / beta [c, H] (the
-    sequential kernel's arithmetic: what a commit needs)."""
+    sequential kernel's arithmetic: what a commit needs). With ``queries`` (laid out as k_, scaled),
+    also returns each token's output [c, H, dv] float32, as the sequential kernel computes it."""
     key_heads, count, dk = k_.shape
     heads, _, dv = v_.shape
     block = min(dv, 32)
     if k_.stride(2) != 1 or k_.stride(1) != dk:
         k_ = k_.contiguous()
+    out = None
+    if queries is not None:
+        if queries.stride() != k_.stride():
+            queries = queries.contiguous()
+            k_ = k_.contiguous()
+        out = torch.empty(count, heads, dv, dtype=torch.float32, device=v_.device)
     _chain_state_kernel[(heads, dv // block)](
-        k_, v_.contiguous(), log_gate.float().contiguous(), beta.contiguous(), state, k_.stride(0), count,
-        HEADS=heads, REPEAT=heads // key_heads, DK=dk, DV=dv, BV=block, num_warps=4,
+        k_, queries if queries is not None else k_, v_.contiguous(), log_gate.float().contiguous(),
+        beta.contiguous(), state, out if out is not None else state, k_.stride(0), count,
+        HEADS=heads, REPEAT=heads // key_heads, DK=dk, DV=dv, BV=block, WITH_OUT=queries is not None, num_warps=4,
     )
+    return out

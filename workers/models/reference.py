@@ -69,6 +69,12 @@ class AttentionTarget:
         self.length = input_ids.shape[1]
         return VerifyOutput(logits=logits, taps=self._taps())
 
+    def advance(self, tokens: torch.Tensor) -> VerifyOutput:
+        """tokens [q] kept whole after the committed ones: a chain pass and its full commit; last logits [1, V]."""
+        out = self.verify_chain(tokens)
+        self.commit(torch.arange(tokens.shape[0]))
+        return VerifyOutput(logits=out.logits[-1:], taps=out.taps)
+
     def verify_chain(self, tokens: torch.Tensor) -> VerifyOutput:
         """tokens [q] = [bonus, draft...] at positions length..length+q-1, causal among themselves."""
         q = tokens.shape[0]

@@ -224,11 +224,11 @@ class StaticTarget:
         self._commit_graphs: dict[tuple[tuple[int, bool], int], torch.cuda.CUDAGraph] = {}
         self._graph_width: tuple[int, bool] | None = None  # (width, long chain) of the last pass if replayed
         self._chains: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # q -> depths, parents, visible
-        # a full prompt chunk's pass, captured once (graphs only): ids, then the chain's constant shape
+        # ``advance``'s passes (a full prompt chunk, AR's one token), captured once per width (graphs only)
         self._prefill_ids = torch.zeros(self.prefill_chunk, dtype=torch.long, device=device)
         self._prefill_depths = torch.arange(self.prefill_chunk, device=device)
-        self._prefill_shape = _chain(self.prefill_chunk, device) if self.graphs else None
-        self._prefill_graph: tuple[torch.cuda.CUDAGraph, VerifyOutput] | None = None
+        self._advance_graphs: dict[int, tuple] = {}  # width -> (graph, outputs)
+        self._advance_shapes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # width -> parents, visible
         self._buffers_hold_chain: int | None = None  # width of the chain whose shape the input buffers hold
 
     def _drop_commit_graphs(self, graph_key: tuple[int, bool]) -> None:
@@ -237,17 +237,23 @@ class StaticTarget:
 
     # -- forwards ----------------------------------------------------------------------------------
     def prefill(self, input_ids: torch.Tensor) -> VerifyOutput:
-        """The prompt [1, T] in chunks, each a chain pass then a full commit; last logits [1, V], all taps."""
+        """The prompt [1, T] in chunks, each advanced (a chain pass that commits it); last logits [1, V], all taps."""
         taps, logits = [], None
         for begin in range(0, input_ids.shape[1], self.prefill_chunk):
-            chunk = input_ids[0, begin : begin + self.prefill_chunk].to(self.device)
-            q = chunk.shape[0]
-            out = self._prefill_chunk(chunk)
-            self.length += q
+            out = self.advance(input_ids[0, begin : begin + self.prefill_chunk])
             taps.append(out.taps)
             logits = out.logits
         self.peak_state_bytes = 0  # the metric is about verify rounds, not the prompt
         return VerifyOutput(logits=logits, taps=torch.cat(taps, dim=1) if self.tap_layer_ids else torch.empty(0))
+
+    def advance(self, tokens: torch.Tensor) -> VerifyOutput:
+        """tokens [q] kept whole after the committed ones (a prompt chunk, AR's one token a round): one
+        chain pass that commits them as it goes (GDN layers advance their state inside the pass, K/V rows
+        land in place), so no verify's pending data and no commit. Last logits [1, V], the q nodes' taps."""
+        out = self._advance(tokens.to(self.device))
+        self.length += tokens.shape[0]
+        self.pending = {}
+        return out
 
     def verify_chain(self, tokens: torch.Tensor) -> VerifyOutput:
         """tokens [q] = [bonus, draft...] at positions length..length+q-1, each after the one before."""
@@ -262,28 +268,31 @@ class StaticTarget:
         depths = torch.cat((torch.zeros(1, dtype=torch.long, device=self.device), tree.depths.to(self.device)))
         return self._verify(ids, depths, tree.parents.to(self.device), tree.visibility.to(self.device))
 
-    def _prefill_chunk(self, chunk: torch.Tensor) -> VerifyOutput:
-        """One chunk of the prompt, a chain kept whole: GDN layers advance their state inside the pass and
-        the K/V rows are already in place. With graphs, a full chunk replays one captured pass."""
+    def _advance(self, chunk: torch.Tensor) -> VerifyOutput:
+        """``advance``'s pass. With graphs, a full prompt chunk and AR's one token replay a pass captured
+        once per width (other widths, a prompt's last partial chunk, run eagerly)."""
         q = chunk.shape[0]
-        if not self.graphs or q != self.prefill_chunk:
+        if not self.graphs or q not in (1, self.prefill_chunk):
             parents, visible = _chain(q, self.device)
             return self._forward(chunk, torch.arange(q, device=self.device), parents, visible, last_only=True,
                                  chain=True, commit=True)
-        self._prefill_ids.copy_(chunk)
+        self._prefill_ids[:q].copy_(chunk)
         self._length.fill_(self.length)
-        if self._prefill_graph is None:
+        if q not in self._advance_graphs:
             live = [*self.states.values(), *self.conv_windows.values()]
             saved = [t.clone() for t in live]  # capture's warm-ups run the pass, advancing the GDN state
-            static = (self._prefill_ids, self._prefill_depths, *self._prefill_shape)
+            # the chain's constant shape stays alive with the graph, which reads it on every replay
+            self._advance_shapes[q] = _chain(q, self.device)
+            static = (self._prefill_ids[:q], self._prefill_depths[:q], *self._advance_shapes[q])
             failed = False
             try:
                 if len(self.segments) == 1:
-                    self._prefill_graph = capture(lambda: self._forward(*static, last_only=True,
-                                                                        attend=self.capacity, chain=True, commit=True))
+                    self._advance_graphs[q] = capture(lambda: self._forward(*static, last_only=True,
+                                                                            attend=self.capacity, chain=True,
+                                                                            commit=True))
                 else:  # one graph per segment, as for a split target's verify pass
-                    self._prefill_graph = self._capture_segments(lambda: self._head(*static, self.capacity, True),
-                                                                 last_only=True, commit=True)
+                    self._advance_graphs[q] = self._capture_segments(
+                        lambda: self._head(*static, self.capacity, True), last_only=True, commit=True)
             except RuntimeError as exc:  # as for a verify pass: run eagerly from here on
                 warnings.warn(f"CUDA graph capture failed ({type(exc).__name__}: {str(exc)[:200]}); running eagerly",
                               stacklevel=3)
@@ -292,10 +301,11 @@ class StaticTarget:
                 for tensor, copy in zip(live, saved):
                     tensor.copy_(copy)
             if self._any_rank(failed):  # every rank runs eagerly if one must
-                self.graphs, self._prefill_graph = False, None
+                self.graphs = False
+                self._advance_graphs.clear()
             if not self.graphs:
-                return self._prefill_chunk(chunk)
-        graph, out = self._prefill_graph
+                return self._advance(chunk)
+        graph, out = self._advance_graphs[q]
         graph.replay()
         # the graph's outputs are overwritten by its next replay (a later chunk): copies
         return VerifyOutput(logits=out.logits.clone(), taps=out.taps.clone() if self.tap_layer_ids else out.taps)

@@ -109,11 +109,12 @@ def test_hybrid_on_cuda_through_the_kernel_gives_the_cpu_tree_logits():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("chain", [False, True])
+@pytest.mark.parametrize(("chain", "q"), [(False, 40), (True, 40), (True, 1), (True, 7)])
 @torch.inference_mode()
-def test_gdn_layer_through_the_kernels_equals_its_torch_path(dtype, chain):
+def test_gdn_layer_through_the_kernels_equals_its_torch_path(dtype, chain, q):
     """Fused projection + conv prologue + tree (or chunked) rule + gated norm against the module path:
-    outputs, and (a chain kept whole) the state and conv window it leaves."""
+    outputs, and (a chain kept whole) the state and conv window it leaves (<= 16 tokens: the
+    recurrence kernel with outputs, AR's advance; longer: the chunked form)."""
     from workers.models.deltanet import TreeShape
     from workers.models.gdn_layer import gdn_layer_for
     from workers.models.shapes import build_random_target
@@ -121,7 +122,6 @@ def test_gdn_layer_through_the_kernels_equals_its_torch_path(dtype, chain):
     model = build_random_target("qwen3.6-mini", dtype, torch.device("cuda"))
     layer = gdn_layer_for(model.model.layers[0].linear_attn)
     assert layer.kernels and layer.projection is not None
-    q = 40
     generator = torch.Generator().manual_seed(5)
     hidden = torch.randn(1, q, 256, generator=generator).to(dtype).cuda()
     parents = torch.arange(-1, q - 1) if chain else random_tree_parents(q, 15, generator)
@@ -196,3 +196,31 @@ def test_a_gdn_layer_on_cuda_compiles_every_commit_length_up_front():
     size = len(gdn_triton._COMPILED_COMMITS)
     GDNLayer(model.model.layers[1].linear_attn)
     assert len(gdn_triton._COMPILED_COMMITS) == size
+
+
+@torch.inference_mode()
+def test_fla_chunked_rule_equals_the_torch_chunked_form():
+    """A prompt chunk's delta rule through fla-core (what bf16 models use when it is installed) against
+    the torch chunked form: outputs and the final state, Qwen3.6's heads (16 key, 48 value), 300 tokens
+    from a non-zero state. fla's chunks run on tensor cores (tf32), hence the tolerance."""
+    from workers.models.deltanet import chain_delta_rule_normalized, l2_normalize
+    from workers.models.gdn_layer import _fla_chunked, fla_chunk_rule
+
+    rule = fla_chunk_rule()
+    if rule is None:
+        pytest.skip("fla-core is not installed")
+    generator = torch.Generator().manual_seed(11)
+    q, key_heads, heads, d = 300, 16, 48, 128
+    keys = l2_normalize(torch.randn(key_heads, q, d, generator=generator)).repeat_interleave(3, 0)
+    queries = l2_normalize(torch.randn(key_heads, q, d, generator=generator)).repeat_interleave(3, 0) * d**-0.5
+    kq = torch.stack((keys, queries), dim=1).cuda()  # [H, 2, q, d] as the prologue writes it
+    v_ = torch.randn(heads, q, d, generator=generator).cuda()
+    log_gate = (-torch.rand(q, heads, generator=generator) * 0.5).cuda()
+    beta = torch.rand(q, heads, generator=generator).to(torch.bfloat16).cuda()
+    state0 = (torch.randn(heads, d, d, generator=generator) * 0.3).cuda()
+    want, want_state = chain_delta_rule_normalized(kq[:, 1], kq[:, 0], v_, log_gate, beta, state0, repeated=True)
+    state = state0.clone()
+    got = _fla_chunked(rule, kq, v_, log_gate, beta, state, key_heads, commit=True)
+    assert got.shape == want.shape
+    assert ((got - want).norm() / want.norm()).item() < 2e-3
+    assert ((state - want_state).norm() / want_state.norm()).item() < 2e-3

@@ -86,8 +86,8 @@ def test_replayed_tree_build_equals_the_eager_build(tiny):
 @torch.inference_mode()  # as the engines run the target
 def test_prompt_chunks_replayed_from_a_graph_equal_eager(request, name, segments):
     """Full prompt chunks replay one captured pass (two segments: one graph per segment; the warm-ups
-    must not advance the GDN state); the logits, the taps and the tokens generated after it (whose
-    commits replay their own graphs) equal the eager prompt's."""
+    must not advance the GDN state); the logits, the taps and the tokens generated after it (AR's
+    one-token advances replay their own graph) equal the eager prompt's."""
     tiny = request.getfixturevalue(name)
     model = copy.deepcopy(tiny.model).cuda()
     taps = tiny.drafter.spec.target_layer_ids
@@ -103,8 +103,9 @@ def test_prompt_chunks_replayed_from_a_graph_equal_eager(request, name, segments
             tokens = ar.generate(target, None, prompt, GenerationConfig(max_new_tokens=12)).token_ids
         outputs.append((opening.logits, opening.taps, tokens))
         if graphs:
-            assert target._prefill_graph is not None and target._commit_graphs
-            assert (type(target._prefill_graph[0]).__name__ == "_Steps") == (segments == 2)
+            prefill_graph = target._advance_graphs.get(target.prefill_chunk)
+            assert prefill_graph is not None and 1 in target._advance_graphs  # AR's rounds: width 1
+            assert (type(prefill_graph[0]).__name__ == "_Steps") == (segments == 2)
     (logits, taps_eager, tokens), (logits_g, taps_g, tokens_g) = outputs
     torch.testing.assert_close(logits_g, logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(taps_g, taps_eager, atol=1e-5, rtol=1e-5)
