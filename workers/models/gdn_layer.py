@@ -69,8 +69,8 @@ class GDNLayer:
             from workers.models.gdn_triton import compile_commit_lengths
 
             try:
-                compile_commit_lengths(mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim, weight.dtype,
-                                       weight.device, MAX_PATH)
+                compile_commit_lengths(mixer.num_k_heads, mixer.num_v_heads, mixer.head_k_dim, weight.shape[-1],
+                                       weight.dtype, mixer.conv1d.bias is not None, weight.device, MAX_PATH)
             except Exception as exc:  # an optimisation only: commits then compile each length on first use
                 warnings.warn(f"compiling the GDN commit kernel ahead failed ({type(exc).__name__}: "
                               f"{str(exc)[:200]}); each path length compiles on its first commit", stacklevel=2)
@@ -140,7 +140,7 @@ class GDNLayer:
                                           (b, a, mixer.A_log, mixer.dt_bias))
         pending = None
         if commit and q <= MAX_PATH:  # a few tokens kept whole (AR's one): the recurrence, state in registers
-            out = advance_state(kq[:, 0], v_, log_gate, beta, state, queries=kq[:, 1])
+            out = advance_state(kq[:, 0], kq[:, 1], v_, log_gate, beta, state)
         elif shape.ancestors is None or commit:  # a long chain (prompt chunks): the chunked form
             if hidden.dtype != torch.float32 and (fla_rule := fla_chunk_rule()) is not None:
                 out = _fla_chunked(fla_rule, kq, v_, log_gate, beta, state, key_heads, commit)
@@ -168,17 +168,13 @@ class GDNLayer:
         """Advance (conv_window, state) in place over the nodes ``path`` (root ... accepted node) of
         the pass that left ``pending``: the path replayed as a chain from the committed state."""
         mixer, count, window = self.mixer, path.shape[0], self.window
-        parents = torch.arange(-1, count - 1, device=path.device)
-        if self.kernels:  # conv prologue over the path, then the recurrence with the state in registers
-            from workers.models.gdn_triton import advance_state, prologue
+        if self.kernels:  # one kernel: conv over the path, the recurrence with the state in registers, window
+            from workers.models.gdn_triton import commit_path
 
-            extended = torch.empty(window + count, self.conv_dim, dtype=conv_window.dtype, device=conv_window.device)
-            kq, v_, _, _ = prologue(conv_window, pending.extended[window + path], conv_lag_index(parents, window),
-                                    mixer.conv1d.weight[:, 0, :], mixer.conv1d.bias, mixer.num_k_heads,
-                                    mixer.num_v_heads, mixer.head_k_dim, extended)
-            advance_state(kq[:, 0], v_, pending.log_gate[path], pending.beta[path], state)
-            conv_window.copy_(extended[count:])  # the last `window` inputs of committed + path
+            commit_path(pending.extended, path, mixer.conv1d.weight[:, 0, :], mixer.conv1d.bias, pending.log_gate,
+                        pending.beta, state, conv_window, mixer.num_k_heads)
             return
+        parents = torch.arange(-1, count - 1, device=path.device)
         conv_out, _ = tree_conv(pending.extended[window + path], conv_window, mixer.conv1d.weight[:, 0, :],
                                 mixer.conv1d.bias, conv_lag_index(parents, window))
         query, key, value = self._heads(conv_out.to(pending.extended.dtype))

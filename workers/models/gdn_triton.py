@@ -226,12 +226,10 @@ def gated_norm(out: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: fl
 
 @triton.jit
 def _chain_state_kernel(K, Q, V, G, BETA, S, OUT, k_stride, count: tl.constexpr, HEADS: tl.constexpr,
-                        REPEAT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                        WITH_OUT: tl.constexpr):
+                        REPEAT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
     """Program (value head h, block of value columns): the recurrent delta rule over ``count`` tokens with
-    the state block [DK, BV] in registers, read once and written back in place; with WITH_OUT each
-    token's output q_t S_t too. (``count`` is a compile-time constant: a commit's path length, one
-    variant per length, as the commit graphs are.)"""
+    the state block [DK, BV] in registers, read once and written back in place, and each token's output
+    q_t S_t. (``count`` is a compile-time constant, one variant per length.)"""
     h = tl.program_id(0)
     cols = tl.program_id(1) * BV + tl.arange(0, BV)
     d = tl.arange(0, DK)
@@ -244,58 +242,123 @@ def _chain_state_kernel(K, Q, V, G, BETA, S, OUT, k_stride, count: tl.constexpr,
         state = state * tl.exp(tl.load(G + t * HEADS + h))
         delta = tl.load(BETA + t * HEADS + h).to(tl.float32) * (value - tl.sum(state * key[:, None], axis=0))
         state += key[:, None] * delta[None, :]
-        if WITH_OUT:
-            query = tl.load(Q + hk * k_stride + t * DK + d)
-            tl.store(OUT + (t * HEADS + h) * DV + cols, tl.sum(state * query[:, None], axis=0))
+        query = tl.load(Q + hk * k_stride + t * DK + d)
+        tl.store(OUT + (t * HEADS + h) * DV + cols, tl.sum(state * query[:, None], axis=0))
     tl.store(block, state)
 
 
-_COMPILED_COMMITS: set[tuple] = set()  # (heads, dk, dv, beta dtype, device) whose lengths are all compiled
-
-
-def compile_commit_lengths(heads: int, dk: int, dv: int, beta_dtype: torch.dtype, device: torch.device,
-                           longest: int = 16) -> None:
-    """Compile ``advance_state``'s kernel for every path length 1..``longest`` once per process (and the
-    one-token variant with outputs, AR's ``advance``).
-
-    The length is a compile-time constant of the kernel, so the first commit of each new accepted
-    length would otherwise compile a variant (about half a second) inside a timed round. Runs the
-    kernel on zeros of the commit's layout (keys strided per head as the prologue writes them)."""
-    key = (heads, dk, dv, beta_dtype, str(device))
-    if key in _COMPILED_COMMITS:
-        return
-    state = torch.zeros(heads, dk, dv, dtype=torch.float32, device=device)
-    for count in range(1, longest + 1):
-        kq = torch.zeros(heads, 2, count, dk, dtype=torch.float32, device=device)  # as the prologue writes it
-        values = torch.zeros(heads, count, dv, dtype=torch.float32, device=device)
-        gates = torch.zeros(count, heads, dtype=torch.float32, device=device)
-        beta = torch.zeros(count, heads, dtype=beta_dtype, device=device)
-        advance_state(kq[:, 0], values, gates, beta, state)
-        if count == 1:
-            advance_state(kq[:, 0], values, gates, beta, state, queries=kq[:, 1])
-    _COMPILED_COMMITS.add(key)
-
-
-def advance_state(k_: torch.Tensor, v_: torch.Tensor, log_gate: torch.Tensor, beta: torch.Tensor,
-                  state: torch.Tensor, queries: torch.Tensor | None = None) -> torch.Tensor | None:
-    """state [H, dk, dv] float32 advanced in place over a chain: k_ [Hk, c, dk] (normalised; or one per value
-    head, [H, c, dk]; rows contiguous, heads any stride), v_ [H, c, dv], log_gate / beta [c, H] (the
-    sequential kernel's arithmetic: what a commit needs). With ``queries`` (laid out as k_, scaled),
-    also returns each token's output [c, H, dv] float32, as the sequential kernel computes it."""
+def advance_state(k_: torch.Tensor, q_: torch.Tensor, v_: torch.Tensor, log_gate: torch.Tensor, beta: torch.Tensor,
+                  state: torch.Tensor) -> torch.Tensor:
+    """A few tokens kept whole (AR's one): state [H, dk, dv] float32 advanced in place over them as the
+    sequential kernel does, and their outputs [c, H, dv] float32. k_ / q_ [Hk, c, dk] (normalised, q_
+    scaled; or one per value head, [H, c, dk]; same layout, rows contiguous), v_ [H, c, dv],
+    log_gate / beta [c, H]."""
     key_heads, count, dk = k_.shape
     heads, _, dv = v_.shape
     block = min(dv, 32)
-    if k_.stride(2) != 1 or k_.stride(1) != dk:
-        k_ = k_.contiguous()
-    out = None
-    if queries is not None:
-        if queries.stride() != k_.stride():
-            queries = queries.contiguous()
-            k_ = k_.contiguous()
-        out = torch.empty(count, heads, dv, dtype=torch.float32, device=v_.device)
+    if k_.stride(2) != 1 or k_.stride(1) != dk or q_.stride() != k_.stride():
+        k_, q_ = k_.contiguous(), q_.contiguous()
+    out = torch.empty(count, heads, dv, dtype=torch.float32, device=v_.device)
     _chain_state_kernel[(heads, dv // block)](
-        k_, queries if queries is not None else k_, v_.contiguous(), log_gate.float().contiguous(),
-        beta.contiguous(), state, out if out is not None else state, k_.stride(0), count,
-        HEADS=heads, REPEAT=heads // key_heads, DK=dk, DV=dv, BV=block, WITH_OUT=queries is not None, num_warps=4,
+        k_, q_, v_.contiguous(), log_gate.float().contiguous(), beta.contiguous(), state, out, k_.stride(0), count,
+        HEADS=heads, REPEAT=heads // key_heads, DK=dk, DV=dv, BV=block, num_warps=4,
     )
     return out
+
+
+@triton.jit
+def _commit_kernel(EXT, PATH, W, BIAS, G, BETA, S, WIN, channels, count: tl.constexpr,
+                   KEY_HEADS: tl.constexpr, HEADS: tl.constexpr, REPEAT: tl.constexpr, D: tl.constexpr,
+                   BV: tl.constexpr, TAPS: tl.constexpr, WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Program (value head h, block of value columns): a commit of the path PATH[:count] (root ... node)
+    for one layer. Per path token: the conv over the path (then the committed window) of its key head's
+    and value columns' channels, SiLU, the key's l2 norm (the prologue's arithmetic), then the delta rule
+    with the state block in registers; finally this program's channels of the new conv window.
+    EXT [WINDOW + q, channels]: the pass's window then node inputs; G / BETA [q, H] per node."""
+    h = tl.program_id(0)
+    cols = tl.program_id(1) * BV + tl.arange(0, BV)
+    d = tl.arange(0, D)
+    hk = h // REPEAT
+    key_channels = KEY_HEADS * D + hk * D + d  # q heads, then k heads, then v heads
+    value_channels = 2 * KEY_HEADS * D + h * D + cols
+    block = S + h * D * D + d[:, None] * D + cols[None, :]
+    state = tl.load(block)
+    for t in range(count):
+        k_acc = tl.zeros((D,), dtype=tl.float32)
+        v_acc = tl.zeros((BV,), dtype=tl.float32)
+        for lag in tl.static_range(TAPS):  # the path's own inputs back to the root, then the window's
+            j = t - lag
+            node = tl.load(PATH + tl.maximum(j, 0))
+            row = tl.where(j >= 0, WINDOW + node, WINDOW + j)
+            k_acc += tl.load(EXT + row * channels + key_channels).to(tl.float32) * \
+                tl.load(W + key_channels * TAPS + (TAPS - 1 - lag)).to(tl.float32)
+            v_acc += tl.load(EXT + row * channels + value_channels).to(tl.float32) * \
+                tl.load(W + value_channels * TAPS + (TAPS - 1 - lag)).to(tl.float32)
+        if HAS_BIAS:
+            k_acc += tl.load(BIAS + key_channels).to(tl.float32)
+            v_acc += tl.load(BIAS + value_channels).to(tl.float32)
+        key = (k_acc * tl.sigmoid(k_acc)).to(EXT.dtype.element_ty).to(tl.float32)
+        key = key * tl.rsqrt(tl.sum(key * key, axis=0) + 1e-6)
+        value = (v_acc * tl.sigmoid(v_acc)).to(EXT.dtype.element_ty).to(tl.float32)
+        node = tl.load(PATH + t)
+        state = state * tl.exp(tl.load(G + node * HEADS + h))
+        delta = tl.load(BETA + node * HEADS + h).to(tl.float32) * (value - tl.sum(state * key[:, None], axis=0))
+        state += key[:, None] * delta[None, :]
+    tl.store(block, state)
+    # the new window: the last WINDOW rows of cat(window, path inputs); this program writes its value
+    # columns, and the first value head of each key head that key head's q and k columns
+    for i in tl.static_range(WINDOW):
+        if count + i < WINDOW:
+            row = count + i
+        else:
+            row = WINDOW + tl.load(PATH + (count + i - WINDOW))
+        tl.store(WIN + i * channels + value_channels, tl.load(EXT + row * channels + value_channels))
+        if h % REPEAT == 0:
+            for part in tl.static_range(2):
+                qk_channels = part * KEY_HEADS * D + hk * D + cols
+                tl.store(WIN + i * channels + qk_channels, tl.load(EXT + row * channels + qk_channels))
+
+
+def commit_path(extended: torch.Tensor, path: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                log_gate: torch.Tensor, beta: torch.Tensor, state: torch.Tensor, window: torch.Tensor,
+                key_heads: int) -> None:
+    """One GDN layer's commit in one kernel: (window, state) advanced in place over the nodes ``path``
+    [c] (root ... accepted node) of the pass that kept ``extended`` [K-1+q, C] (its window, then its
+    node inputs), ``log_gate`` / ``beta`` [q, H]; ``weight`` [C, K] the depthwise conv, dk = dv."""
+    heads, dk, dv = state.shape
+    count, taps = path.shape[0], weight.shape[1]
+    block = min(dv, 32)
+    _commit_kernel[(heads, dv // block)](
+        extended, path, weight.contiguous(), bias if bias is not None else weight, log_gate, beta, state, window,
+        extended.shape[1], count,
+        KEY_HEADS=key_heads, HEADS=heads, REPEAT=heads // key_heads, D=dk, BV=block, TAPS=taps, WINDOW=taps - 1,
+        HAS_BIAS=bias is not None, num_warps=4,
+    )
+
+
+_COMPILED_COMMITS: set[tuple] = set()  # (key heads, heads, head dim, taps, dtype, bias, device) compiled
+
+
+def compile_commit_lengths(key_heads: int, heads: int, head_dim: int, taps: int, dtype: torch.dtype,
+                           has_bias: bool, device: torch.device, longest: int = 16) -> None:
+    """Compile ``commit_path``'s kernel for every path length 1..``longest`` (and ``advance_state``'s for AR's
+    one token) once per process. The length is a compile-time constant of the kernels, so the first commit
+    of each new accepted length would otherwise compile a variant (about half a second) inside a timed
+    round. Runs the kernels on zeros of the real layouts."""
+    key = (key_heads, heads, head_dim, taps, dtype, has_bias, str(device))
+    if key in _COMPILED_COMMITS:
+        return
+    channels = (2 * key_heads + heads) * head_dim
+    weight = torch.zeros(channels, taps, dtype=dtype, device=device)
+    bias = torch.zeros(channels, dtype=dtype, device=device) if has_bias else None
+    state = torch.zeros(heads, head_dim, head_dim, dtype=torch.float32, device=device)
+    window = torch.zeros(taps - 1, channels, dtype=dtype, device=device)
+    for count in range(1, longest + 1):
+        extended = torch.zeros(taps - 1 + count, channels, dtype=dtype, device=device)
+        gates = torch.zeros(count, heads, dtype=torch.float32, device=device)
+        beta = torch.zeros(count, heads, dtype=dtype, device=device)
+        commit_path(extended, torch.arange(count, device=device), weight, bias, gates, beta, state, window, key_heads)
+    kq = torch.zeros(heads, 2, 1, head_dim, dtype=torch.float32, device=device)  # as the prologue writes it
+    advance_state(kq[:, 0], kq[:, 1], torch.zeros(heads, 1, head_dim, device=device),
+                  torch.zeros(1, heads, device=device), torch.zeros(1, heads, dtype=dtype, device=device), state)
+    _COMPILED_COMMITS.add(key)

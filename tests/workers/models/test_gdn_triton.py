@@ -147,14 +147,19 @@ def test_gdn_layer_through_the_kernels_equals_its_torch_path(dtype, chain, q):
 
 
 @torch.inference_mode()
-def test_commit_through_the_kernels_equals_the_chunked_replay():
-    """A commit's path: conv prologue + the recurrence in registers against the torch chunked replay."""
+@pytest.mark.parametrize("bias", [False, True])
+def test_commit_through_the_kernels_equals_the_chunked_replay(bias):
+    """A commit's path through the one-kernel commit (conv over the path, the recurrence in registers,
+    the new conv window) against the torch chunked replay, paths of 1 to 16 nodes."""
     from workers.models.deltanet import TreeShape
     from workers.models.gdn_layer import gdn_layer_for
     from workers.models.shapes import build_random_target
 
     model = build_random_target("qwen3.6-mini", torch.float32, torch.device("cuda"))
-    layer = gdn_layer_for(model.model.layers[0].linear_attn)
+    mixer = model.model.layers[0].linear_attn
+    if bias:  # Qwen3.5's conv has none; the kernel takes one as transformers' module allows
+        mixer.conv1d.bias = torch.nn.Parameter(torch.randn(mixer.conv_dim, device="cuda") * 0.1)
+    layer = gdn_layer_for(mixer)
     generator = torch.Generator().manual_seed(8)
     q = 48
     parents = random_tree_parents(q, 15, generator)
@@ -162,7 +167,8 @@ def test_commit_through_the_kernels_equals_the_chunked_replay():
     shape = TreeShape.build(parents.cuda(), layer.window, chain=False)
     window0 = torch.randn(layer.window, layer.conv_dim, generator=generator).cuda()
     state0 = (torch.randn(layer.state_shape, generator=generator) * 0.3).cuda()
-    for node in (0, 5, q - 1):
+    deepest = max(range(q), key=lambda n: int(ancestor_table(parents)[n].lt(q).sum()))
+    for node in (0, 1, 5, q - 1, deepest):
         path = [node]
         while parents[path[-1]] >= 0:
             path.append(int(parents[path[-1]]))
@@ -191,7 +197,8 @@ def test_a_gdn_layer_on_cuda_compiles_every_commit_length_up_front():
     mixer = model.model.layers[0].linear_attn
     layer = GDNLayer(mixer)
     assert layer.kernels
-    key = (mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim, torch.bfloat16, "cuda:0")
+    key = (mixer.num_k_heads, mixer.num_v_heads, mixer.head_k_dim, mixer.conv_kernel_size, torch.bfloat16,
+           mixer.conv1d.bias is not None, "cuda:0")
     assert key in gdn_triton._COMPILED_COMMITS
     size = len(gdn_triton._COMPILED_COMMITS)
     GDNLayer(model.model.layers[1].linear_attn)
