@@ -150,7 +150,7 @@ class GDNLayer:
                 if commit:
                     state.copy_(new_state)
         else:
-            out = tree_outputs(kq, v_, log_gate, beta, state, shape.ancestors)
+            out = tree_outputs(kq, v_, log_gate, beta, state, shape.ancestors, key_heads)
         if commit:
             conv_window.copy_(extended[extended.shape[0] - self.window :])
         else:

@@ -8,11 +8,11 @@ torch kernels. ``gated_norm``: the output's RMSNormGated in one. Both follow the
 roundings to the model dtype, so they agree with it to rounding.
 
 ``tree_outputs``: the per-node path solve of ``workers.models.deltanet.tree_delta_rule_normalized``.
-One batched product gives every node's k_ S0 and q_ S0; then one program per (node, value head)
-gathers the keys of the node's <= P ancestors (a block of columns at a time), forms their [P, P] Gram
-matrix and the node's query products, the path sums of the log decay, runs the P-step forward
-substitution on scalars and sums P rows of the right-hand sides r, a block of value columns at a
-time. Nothing is written but the outputs; the torch form in ``deltanet`` is the reference it is tested
+One batched product gives every node's k_ S0 and q_ S0; then one program per (node, key head) gathers
+the keys of the node's <= P ancestors into registers, forms their [P, P] Gram matrix and the node's
+query products, then, for each value head that shares this key head, forms the path sums of the log
+decay and the right-hand sides r, runs the P-step forward substitution on scalars and sums P rows of
+r. Nothing is written but the outputs; the torch form in ``deltanet`` is the reference it is tested
 against (``tests/workers/models/test_gdn_triton.py``).
 """
 
@@ -25,54 +25,49 @@ import triton
 import triton.language as tl
 
 TREE_WARPS = 1
-TREE_BLOCK = 32  # columns of the path's rows a tree program holds at a time
 
 
 @triton.jit
 def _tree_kernel(
     KQ, V, PROD, LOG_GATE, BETA, ANC, OUT, nodes,
-    HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, P: tl.constexpr, BK: tl.constexpr,
+    HEADS: tl.constexpr, REPEAT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, P: tl.constexpr,
     BV: tl.constexpr, STEPS: tl.constexpr,
 ):
-    """Program (node t, value head h). KQ [H, 2, q, DK] (k_, then q_, per value head), V [H, q, DV],
-    PROD [H, 2q, DV] (k_ S0 rows, then q_ S0 rows), LOG_GATE / BETA [q, H], ANC [q, P]: column 0 the
-    node, then its parent, ..., the root, then ``nodes`` (past the root). The path's rows are read in
-    column blocks of BK / BV (small register tiles: many programs resident per SM)."""
+    """Program (node t, key head hk, block of value columns). KQ [H, 2, q, DK] (k_, then q_), V [H, q, DV],
+    PROD [H, 2q, DV] (k_ S0 rows, then q_ S0 rows), LOG_GATE / BETA [q, H], ANC [q, P]: column 0 the node,
+    then its parent, ..., the root, then ``nodes`` (past the root)."""
     t = tl.program_id(0)
-    h = tl.program_id(1)
+    hk = tl.program_id(1)
+    cols = tl.program_id(2) * BV + tl.arange(0, BV)
     m = tl.arange(0, P)
+    d = tl.arange(0, DK)
     anc = tl.load(ANC + t * P + m)  # [P]
     valid = anc < nodes
     row = tl.where(valid, anc, 0)
-    kq = KQ + h * 2 * nodes * DK
-    gram = tl.zeros((P, P), dtype=tl.float32)
-    qk = tl.zeros((P,), dtype=tl.float32)
-    for block in tl.static_range(DK // BK):
-        d = block * BK + tl.arange(0, BK)
-        keys = tl.load(kq + row[:, None] * DK + d[None, :], mask=valid[:, None], other=0.0)  # [P, BK]
-        query = tl.load(kq + (nodes + t) * DK + d)  # [BK]
-        gram += tl.dot(keys, tl.trans(keys), input_precision="ieee")  # [P, P]
-        qk += tl.sum(keys * query[None, :], axis=1)  # [P]
+    kq = KQ + hk * REPEAT * 2 * nodes * DK  # the first of this key head's (repeated) value heads
+    keys = tl.load(kq + row[:, None] * DK + d[None, :], mask=valid[:, None], other=0.0)  # [P, DK]
+    query = tl.load(kq + (nodes + t) * DK + d)  # [DK]
+    gram = tl.dot(keys, tl.trans(keys), input_precision="ieee")  # [P, P]
+    qk = tl.sum(keys * query[None, :], axis=1)  # [P]
     upper = (m[None, :] > m[:, None]) & valid[None, :]
     # the path of ancestor m is ancestors m, m+1, ...: its log decay sum G_m is a suffix sum along the path
     suffix = m[None, :] >= m[:, None]  # [P, P]: column j counts towards row m
-    g_raw = tl.load(LOG_GATE + row * HEADS + h, mask=valid, other=0.0)
-    g_path = tl.sum(tl.where(suffix, g_raw[None, :], 0.0), axis=1)  # [P] G of each ancestor
-    g_t = tl.sum(tl.where(m == 0, g_path, 0.0))
-    b_path = tl.load(BETA + row * HEADS + h, mask=valid, other=0.0).to(tl.float32)
-    # U[m, n] = beta_{a_m} exp(G_{a_m} - G_{a_n}) gram[m, n], n > m on the path (masked before exp)
-    U = b_path[:, None] * tl.exp(tl.where(upper, g_path[:, None] - g_path[None, :], float("-inf"))) * gram
-    w = tl.where(valid, tl.exp(g_t - g_path) * qk, 0.0)  # starts as e
-    for n in tl.static_range(1, STEPS):  # w_n = e_n - sum_{m<n} w_m U[m, n] (paths have <= STEPS nodes)
-        column = tl.sum(tl.where(m[None, :] == n, U, 0.0), axis=1)
-        w = tl.where(m == n, w - tl.sum(w * column), w)
-    decay = tl.exp(g_path)
-    for block in tl.static_range(DV // BV):
-        cols = block * BV + tl.arange(0, BV)
+    for r in tl.static_range(REPEAT):
+        h = hk * REPEAT + r
+        g_raw = tl.load(LOG_GATE + row * HEADS + h, mask=valid, other=0.0)
+        g_path = tl.sum(tl.where(suffix, g_raw[None, :], 0.0), axis=1)  # [P] G of each ancestor
+        g_t = tl.sum(tl.where(m == 0, g_path, 0.0))
+        b_path = tl.load(BETA + row * HEADS + h, mask=valid, other=0.0).to(tl.float32)
+        # U[m, n] = beta_{a_m} exp(G_{a_m} - G_{a_n}) gram[m, n], n > m on the path (masked before exp)
+        U = b_path[:, None] * tl.exp(tl.where(upper, g_path[:, None] - g_path[None, :], float("-inf"))) * gram
+        w = tl.where(valid, tl.exp(g_t - g_path) * qk, 0.0)  # starts as e
+        for n in tl.static_range(1, STEPS):  # w_n = e_n - sum_{m<n} w_m U[m, n] (paths have <= STEPS nodes)
+            column = tl.sum(tl.where(m[None, :] == n, U, 0.0), axis=1)
+            w = tl.where(m == n, w - tl.sum(w * column), w)
         # r_{a_m} = beta_{a_m} (v_{a_m} - exp(G_{a_m}) k_{a_m} S0) for the ancestors' rows
         values = tl.load(V + (h * nodes + row[:, None]) * DV + cols[None, :], mask=valid[:, None], other=0.0)
         k_S0 = tl.load(PROD + (h * 2 * nodes + row[:, None]) * DV + cols[None, :], mask=valid[:, None], other=0.0)
-        rows = b_path[:, None] * (values - decay[:, None] * k_S0)
+        rows = b_path[:, None] * (values - tl.exp(g_path)[:, None] * k_S0)
         q_S0 = tl.load(PROD + (h * 2 * nodes + nodes + t) * DV + cols)
         out = tl.exp(g_t) * q_S0 + tl.sum(w[:, None] * rows, axis=0)
         tl.store(OUT + (t * HEADS + h) * DV + cols, out)
@@ -85,8 +80,8 @@ def tree_outputs(
     beta: torch.Tensor,  # [q, H]
     state: torch.Tensor,  # [H, dk, dv] float32 committed recurrent state
     ancestors: torch.Tensor,  # [q, P] (P a power of two >= 16)
+    key_heads: int,
     num_warps: int | None = None,
-    block: int = TREE_BLOCK,
 ) -> torch.Tensor:
     """Outputs [q, H, dv] float32, as ``deltanet.tree_delta_rule_normalized`` computes them."""
     heads, _, nodes, dk = kq.shape
@@ -96,10 +91,10 @@ def tree_outputs(
     products = torch.bmm(kq.reshape(heads, 2 * nodes, dk), state)
     out = torch.empty(nodes, heads, dv, dtype=torch.float32, device=v_.device)
     # one warp per program: the forward substitution's reductions stay inside the warp (no barriers)
-    _tree_kernel[(nodes, heads)](
+    _tree_kernel[(nodes, key_heads, 1)](
         kq, v_.contiguous(), products, log_gate.float().contiguous(), beta.contiguous(), ancestors.contiguous(),
         out, nodes,
-        HEADS=heads, DK=dk, DV=dv, P=P, BK=min(block, dk), BV=min(block, dv), STEPS=min(P, nodes),
+        HEADS=heads, REPEAT=heads // key_heads, DK=dk, DV=dv, P=P, BV=dv, STEPS=min(P, nodes),
         num_warps=num_warps or TREE_WARPS,
     )
     return out
