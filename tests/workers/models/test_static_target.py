@@ -95,6 +95,38 @@ def test_every_tree_node_sees_only_its_own_path_and_any_path_commits(request, na
     assert target.length == len(text) - 3
 
 
+@pytest.mark.parametrize("name", (*HYBRIDS, "tiny"))
+@pytest.mark.parametrize("runner", ["static", "attention"])
+def test_advance_equals_the_plain_forward_and_leaves_the_text_committed(request, name, runner):
+    """``advance`` (AR's round: tokens kept as they are verified) gives the plain forward's last logits
+    and the tapped layers' states of its tokens, and leaves them committed: the next pass sees the
+    extended text. One token and a few at a time (the recurrence and the chunked form)."""
+    tiny = request.getfixturevalue(name)
+    if runner == "attention" and name != "tiny":
+        pytest.skip("AttentionTarget runs attention-only models")
+    from workers.models.reference import AttentionTarget
+
+    taps = tiny.drafter.spec.target_layer_ids
+    target = StaticTarget(tiny.model, tap_layer_ids=taps) if runner == "static" else AttentionTarget(tiny.model, taps)
+    vocab = tiny.shape.vocab_size
+    text = random_ids(vocab, 7, 91)
+    target.start(capacity=64, max_verify=8)
+    with torch.no_grad():
+        target.prefill(torch.tensor([text]))
+        for count in (1, 3, 1, 5):
+            more = random_ids(vocab, count, 92 + count + len(text))
+            out = target.advance(torch.tensor(more))
+            text += more
+            hidden = tiny.model(torch.tensor([text]), output_hidden_states=True).hidden_states
+            torch.testing.assert_close(out.logits, reference_logits(tiny.model, text)[-1:], atol=3e-4, rtol=1e-4)
+            expected = torch.cat([hidden[i + 1][:, -count:] for i in taps], dim=-1)
+            torch.testing.assert_close(out.taps, expected, atol=3e-4, rtol=1e-4)
+            assert target.length == len(text)
+        follow = random_ids(vocab, 3, 99)
+        after = target.verify_chain(torch.tensor(follow))
+    torch.testing.assert_close(after.logits, reference_logits(tiny.model, text + follow)[-3:], atol=3e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("name", HYBRIDS)
 def test_taps_are_the_tapped_layers_hidden_states(request, name):
     tiny = request.getfixturevalue(name)
