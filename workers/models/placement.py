@@ -13,7 +13,8 @@ first long prompt:
 - the CUDA graphs' private memory pools (``RunBudget.graph_widths`` verify widths kept captured,
   each sized for ``max_verify``): every pool holds its own copy of the pass's outputs (the logits
   on the ``lm_head`` GPU, each GDN layer's pending data with that layer) and the pass's activations
-  at their peak on every GPU it spans (``graph_activation_bytes``).
+  at their peak on every GPU it spans (``graph_activation_bytes``); the prompt chunk's captured
+  pass adds one more pool of activations.
 
 Weights are then balanced so every GPU keeps a similar amount free, and the finished map is
 checked module by module against each GPU's size; a plan that does not fit is refused with the
@@ -50,6 +51,13 @@ class RunBudget:
     max_tokens: int = 16384  # prompt + generated + one verify pass
     max_verify: int = 1025  # nodes in one verify pass (tree budget + 1)
     graph_widths: int = MAX_VERIFY_GRAPHS  # verify graphs a target keeps captured; 0 = eager
+
+    @property
+    def activation_pools(self) -> int:
+        """Captured passes whose pools hold a pass's activations: each kept verify width, plus the prompt
+        chunk's pass (``StaticTarget.advance``; sized as a widest verify pass's, not measured on its own).
+        AR's one-token pass (a ~0.1 GiB pool, benchmarks/graph_pools.py at width 1) fits in FIXED_BYTES."""
+        return self.graph_widths + 1 if self.graph_widths else 0
 
 
 @dataclass(frozen=True)
@@ -143,7 +151,7 @@ def plan_split(
     last_extra = drafter_bytes + head_bytes(config, budget, dtype)
 
     # usable bytes for weights per GPU: size minus fixed, an even share of layer state, and (last) the head
-    fixed = FIXED_BYTES + budget.graph_widths * graph_activation_bytes(config, budget, dtype)  # on every GPU
+    fixed = FIXED_BYTES + budget.activation_pools * graph_activation_bytes(config, budget, dtype)  # on every GPU
     usable = [size - fixed - sum(state) // count - (last_extra if gpu == last else 0)
               for gpu, size in enumerate(gpu_bytes)]
     if weight_cap is not None:
@@ -276,7 +284,7 @@ def plan_tensor_parallel(
     local = _local_config(cfg, world)
     layer_types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
     state = sum(layer_state_bytes(local, kind, budget, dtype) for kind in layer_types)
-    graphs = budget.graph_widths * graph_activation_bytes(local, budget, dtype)  # each kept width's own pool
+    graphs = budget.activation_pools * graph_activation_bytes(local, budget, dtype)  # each captured pass's pool
     plan = TensorParallelPlan(world, gpu_bytes, weights, state, head_bytes(local, budget, dtype), graphs,
                               drafter_bytes)
     if plan.free_bytes() < 0:
