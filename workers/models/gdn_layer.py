@@ -194,10 +194,15 @@ class GDNLayer:
 
 @functools.cache
 def fla_chunk_rule() -> Callable | None:
-    """``fla-core``'s Triton ``chunk_gated_delta_rule`` (tensor-core chunks) if installed, else None."""
+    """``fla-core``'s Triton ``chunk_gated_delta_rule`` (tensor-core chunks) if installed, else None. An
+    install that fails to import (say, against another Triton) warns once and leaves the torch form."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
+        return None
+    except Exception as exc:  # an optional accelerator must not stop a run
+        warnings.warn(f"fla-core is installed but failed to import ({type(exc).__name__}: {str(exc)[:200]}); "
+                      "prompt chunks use the torch chunked form", stacklevel=2)
         return None
     return chunk_gated_delta_rule
 

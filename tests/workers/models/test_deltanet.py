@@ -166,3 +166,32 @@ def test_chain_conv_equals_the_tree_conv_of_a_chain() -> None:
     got, got_ext = chain_conv(inputs, committed, weight, bias)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     assert torch.equal(got_ext, want_ext)
+
+
+def test_a_broken_fla_install_warns_and_leaves_the_torch_form(tmp_path, monkeypatch):
+    """fla-core is optional: a package named ``fla`` that fails to import (here one that raises, as a
+    build against another Triton can) gives one warning and the torch chunked form, not a failed run."""
+    import sys
+    import warnings
+
+    from workers.models.gdn_layer import fla_chunk_rule
+
+    package = tmp_path / "fla" / "ops" / "gated_delta_rule"
+    package.mkdir(parents=True)
+    for folder in (tmp_path / "fla", tmp_path / "fla" / "ops"):
+        (folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("raise RuntimeError('built for another triton')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [n for n in sys.modules if n == "fla" or n.startswith("fla.")]:
+        monkeypatch.delitem(sys.modules, name)
+    fla_chunk_rule.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert fla_chunk_rule() is None
+            assert fla_chunk_rule() is None  # decided once per process
+        assert len(caught) == 1 and "built for another triton" in str(caught[0].message)
+    finally:
+        fla_chunk_rule.cache_clear()
+        for name in [n for n in sys.modules if n == "fla" or n.startswith("fla.")]:
+            del sys.modules[name]
