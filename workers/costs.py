@@ -109,9 +109,7 @@ class CostTable:
         if method == "ar":  # one advance: the pass commits its token as it goes
             return self.verify(1) + self.overhead_s.get(method, 0.0)
         seconds = self.verify(verify_width(method, setting, block_size)) + self.commit(committed)
-        seconds += self.overhead_s.get(method, 0.0)
-        if method != "ar":
-            seconds += self.draft(previous)
+        seconds += self.overhead_s.get(method, 0.0) + self.draft(previous)
         if method == "ddtree":
             seconds += self.tree(tree_params(setting, block_size))
         return seconds

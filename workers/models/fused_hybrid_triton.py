@@ -3,9 +3,8 @@
 ``one_plus_rms_norm``: Qwen3.5's ``1 + weight`` RMSNorm, which transformers computes as six to nine
 small kernels (cast, square, mean, add, rsqrt, two products, cast back): one program per row
 reduces in float32 and stores the row rounded to the model dtype once, as transformers does.
-``norm_rotate_heads``: a
-gated attention layer's q/k norms, partial rotary, K/V cache write and query fold in one kernel.
-``silu_mul``: the MLP's activation. Tested against the torch forms in
+``norm_rotate_heads``: a gated attention layer's q/k norms, partial rotary, K/V cache write and
+query fold in one kernel. ``silu_mul``: the MLP's activation. Tested against the torch forms in
 ``tests/workers/models/test_fused_hybrid.py`` (GPU-marked).
 """
 

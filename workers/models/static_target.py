@@ -225,8 +225,8 @@ class StaticTarget:
         self._graph_width: tuple[int, bool] | None = None  # (width, long chain) of the last pass if replayed
         self._chains: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # q -> depths, parents, visible
         # ``advance``'s passes (a full prompt chunk, AR's one token), captured once per width (graphs only)
-        self._prefill_ids = torch.zeros(self.prefill_chunk, dtype=torch.long, device=device)
-        self._prefill_depths = torch.arange(self.prefill_chunk, device=device)
+        self._advance_ids = torch.zeros(self.prefill_chunk, dtype=torch.long, device=device)
+        self._advance_depths = torch.arange(self.prefill_chunk, device=device)
         self._advance_graphs: dict[int, tuple] = {}  # width -> (graph, outputs)
         self._advance_shapes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # width -> parents, visible
         self._buffers_hold_chain: int | None = None  # width of the chain whose shape the input buffers hold
@@ -276,14 +276,14 @@ class StaticTarget:
             parents, visible = _chain(q, self.device)
             return self._forward(chunk, torch.arange(q, device=self.device), parents, visible, last_only=True,
                                  chain=True, commit=True)
-        self._prefill_ids[:q].copy_(chunk)
+        self._advance_ids[:q].copy_(chunk)
         self._length.fill_(self.length)
         if q not in self._advance_graphs:
             live = [*self.states.values(), *self.conv_windows.values()]
             saved = [t.clone() for t in live]  # capture's warm-ups run the pass, advancing the GDN state
             # the chain's constant shape stays alive with the graph, which reads it on every replay
             self._advance_shapes[q] = _chain(q, self.device)
-            static = (self._prefill_ids[:q], self._prefill_depths[:q], *self._advance_shapes[q])
+            static = (self._advance_ids[:q], self._advance_depths[:q], *self._advance_shapes[q])
             failed = False
             try:
                 if len(self.segments) == 1:
