@@ -3,8 +3,10 @@
     python benchmarks/gdn_kernels.py [--shape qwen3.6-27b]
 
 Times (median, CUDA graph replay of one call) the Triton tree pass (the products with the committed
-state, then the path solve) for tree widths q = 17..1025 of depth 15, with 1, 2 and 4 warps per
-program, against the torch form; and checks the kernel against it.
+state, then the blocked path solve) for tree widths q = 17..1025 of depth 15, with the solve's products
+in float32 ("ieee", CUDA cores), three-pass tf32 (the default but for bfloat16 models) and tf32 (for
+bfloat16 models), 4 warps per program (and 8 in tf32), against the torch form; and checks each
+against it (relative error of all outputs).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from forward_anatomy import graphed
 from gpu_speed import median_ms
 
-from workers.models.deltanet import ancestor_table, tree_delta_rule_normalized
+from workers.models.deltanet import ancestor_table, tree_blocks, tree_delta_rule_normalized
 from workers.models.gdn_triton import tree_outputs
 from workers.models.shapes import TARGETS
 
@@ -40,7 +42,9 @@ def main() -> int:
     hk, h, dk, dv = (shape["linear_num_key_heads"], shape["linear_num_value_heads"], shape["linear_key_head_dim"],
                      shape["linear_value_head_dim"])
     lines = [f"{args.shape}: one GDN layer, {hk} key heads, {h} value heads of {dk}x{dv}"]
-    lines.append(f"{'q':>5} {'whole ms':>9} {'solve w=1':>10} {'w=2':>7} {'w=4':>7} {'torch solve':>12} {'rel err':>8}")
+    precisions = ("ieee", "tf32x3", "tf32")
+    lines.append(f"{'q':>5} {'whole ms':>9} {'blocks':>7} {'ieee':>7} {'tf32x3':>7} {'tf32':>7} {'tf32 w=8':>9} "
+                 f"{'torch solve':>12} " + " ".join(f"{p + ' err':>11}" for p in precisions))
     for q in (17, 65, 257, 1025):
         torch.manual_seed(q)
         ancestors = ancestor_table(random_parents(q, 15)).cuda()
@@ -51,14 +55,20 @@ def main() -> int:
         state = torch.randn(h, dk, dv, device="cuda") * 0.3
         whole = median_ms(graphed(lambda: tree_delta_rule_normalized(q_, k_, v_, g, beta, state, ancestors, True)))
         kq = torch.stack((k_, q_), dim=1).repeat_interleave(h // hk, dim=0)  # the prologue's layout
-        solves = [median_ms(graphed(lambda w=w: tree_outputs(kq, v_, g, beta, state, ancestors, hk, w)))
-                  for w in (1, 2, 4)]
+        blocks = tree_blocks(ancestors)
+        blocks_ms = median_ms(graphed(lambda: tree_blocks(ancestors)))
+        runs = [(4, p) for p in precisions] + [(8, "tf32")]
+        solves = [median_ms(graphed(lambda w=w, p=p: tree_outputs(kq, v_, g, beta, state, ancestors, hk, blocks,
+                                                                  num_warps=w, precision=p)))
+                  for w, p in runs]
         want = tree_delta_rule_normalized(q_, k_, v_, g, beta, state, ancestors, False)
-        got = tree_delta_rule_normalized(q_, k_, v_, g, beta, state, ancestors, True)
-        error = ((got - want).norm() / want.norm()).item()
+        errors = []
+        for precision in precisions:
+            got = tree_outputs(kq, v_, g, beta, state, ancestors, hk, blocks, precision=precision)
+            errors.append(((got - want).norm() / want.norm()).item())
         torch_ms = median_ms(lambda: tree_delta_rule_normalized(q_, k_, v_, g, beta, state, ancestors, False), 5)
-        lines.append(f"{q:>5} {whole:>9.3f} {solves[0]:>10.3f} {solves[1]:>7.3f} {solves[2]:>7.3f} {torch_ms:>12.3f} "
-                     f"{error:>8.1e}")
+        lines.append(f"{q:>5} {whole:>9.3f} {blocks_ms:>7.3f} {solves[0]:>7.3f} {solves[1]:>7.3f} {solves[2]:>7.3f} "
+                     f"{solves[3]:>9.3f} {torch_ms:>12.3f} " + " ".join(f"{e:>11.1e}" for e in errors))
     print("\n".join(lines))
     return 0
 

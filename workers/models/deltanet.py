@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 MAX_PATH = 16  # nodes on a root-to-node path that a tree pass handles (tree depth <= 15)
+TREE_BLOCK = 16  # nodes per block of the CUDA tree kernel (``tree_blocks``)
 CHUNK = 64  # tokens per chunk of the chunked chain form
 GATHER_BYTES = 256 * 2**20  # cap on the torch tree form's gathered [heads, q, P, dv] float32 rows
 
@@ -66,6 +67,50 @@ def ancestor_table(parents: torch.Tensor, width: int = MAX_PATH) -> torch.Tensor
     return table
 
 
+def preorder(ancestors: torch.Tensor) -> torch.Tensor:
+    """[q] the nodes in depth-first preorder (children in index order), from an ``ancestor_table``.
+
+    Preorder is the lexicographic order of root-to-node paths of node ids. The paths are packed into
+    int64 keys, as many ids per key as fit, and sorted key by key from the least significant (stable
+    sorts, so no host read: it runs inside a captured pass).
+    """
+    q, width = ancestors.shape
+    depth = (ancestors < q).sum(1) - 1  # [q]
+    back = depth[:, None] - torch.arange(width, device=ancestors.device)  # column of the depth-j ancestor
+    path = torch.where(back >= 0, ancestors.gather(1, back.clamp(min=0)) + 1, 0)  # [q, width], 0 past the node
+    bits = max(1, q.bit_length())
+    per_key = 63 // bits
+    order = torch.arange(q, device=ancestors.device)
+    for start in reversed(range(0, width, per_key)):
+        columns = path[:, start : start + per_key]
+        shifts = bits * (per_key - 1 - torch.arange(columns.shape[1], device=ancestors.device))
+        key = (columns << shifts).sum(1)
+        order = order[torch.sort(key[order], stable=True).indices]
+    return order
+
+
+def tree_blocks(ancestors: torch.Tensor, block: int = TREE_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CUDA tree kernel's blocks: (slots [n, W + block] long, mask [n, W + block, W + block] bool),
+    W = ancestors.shape[1], n = ceil(q / block).
+
+    Block i holds ``block`` consecutive nodes of the preorder (slots W..) and, before them, the strict
+    ancestors of its first node (slots 0..W-2, parent first; slot W-1 and slots past the root hold the
+    sentinel q). In preorder every ancestor of a node in the block is in the block or an ancestor of its
+    first node, so the slots hold every path the block's nodes need. mask[i, a, b]: slot b is slot a or
+    one of its ancestors (both real nodes).
+    """
+    q, width = ancestors.shape
+    count = -(-q // block)
+    order = preorder(ancestors)
+    members = torch.cat((order, order.new_full((count * block - q,), q))).view(count, block)
+    with_sentinel = torch.cat((ancestors, ancestors.new_full((1, width), q)))  # row q: the sentinel's
+    context = with_sentinel[members[:, 0], 1:]  # [n, W-1]
+    slots = torch.cat((context, members.new_full((count, 1), q), members), dim=1)  # [n, S]
+    paths = with_sentinel[slots]  # [n, S, W]
+    mask = (paths[:, :, None, :] == slots[:, None, :, None]).any(-1) & (slots < q)[:, None, :]
+    return slots, mask
+
+
 @dataclass
 class TreeShape:
     """Per-pass tree structure shared by every GDN layer of the pass (built once per pass).
@@ -74,22 +119,30 @@ class TreeShape:
     lag_index: [q, K]        rows of cat(conv window, node inputs) each node's conv reads
     ancestors: [q, MAX_PATH] from ``ancestor_table``; None for a chain handled in chunked form
     chain:     the nodes are a chain (known on the host): the conv is one batched causal conv
+    block_slots, block_mask: ``tree_blocks(ancestors)`` for the CUDA tree kernel (None on the CPU or
+               without ancestors)
     """
 
     parents: torch.Tensor
     lag_index: torch.Tensor
     ancestors: torch.Tensor | None
     chain: bool
+    block_slots: torch.Tensor | None = None
+    block_mask: torch.Tensor | None = None
 
     @classmethod
     def build(cls, parents: torch.Tensor, window: int, chain: bool) -> TreeShape:
         q = parents.shape[0]
         ancestors = None if chain and q > MAX_PATH else ancestor_table(parents)
-        return cls(parents, conv_lag_index(parents, window), ancestors, chain)
+        blocks = tree_blocks(ancestors) if ancestors is not None and parents.is_cuda else (None, None)
+        return cls(parents, conv_lag_index(parents, window), ancestors, chain, *blocks)
 
     def to(self, device: torch.device) -> TreeShape:
-        ancestors = None if self.ancestors is None else self.ancestors.to(device)
-        return TreeShape(self.parents.to(device), self.lag_index.to(device), ancestors, self.chain)
+        moved = [None if x is None else x.to(device)
+                 for x in (self.ancestors, self.block_slots, self.block_mask)]
+        if moved[0] is not None and moved[1] is None and torch.device(device).type == "cuda":
+            moved[1:] = tree_blocks(moved[0])  # built on the CPU, used by a CUDA segment
+        return TreeShape(self.parents.to(device), self.lag_index.to(device), moved[0], self.chain, *moved[1:])
 
 
 # -- the short convolution ---------------------------------------------------------------------------

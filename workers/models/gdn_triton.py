@@ -24,53 +24,65 @@ import torch
 import triton
 import triton.language as tl
 
-TREE_WARPS = 1
+TREE_WARPS = 4
 
 
 @triton.jit
-def _tree_kernel(
-    KQ, V, PROD, LOG_GATE, BETA, ANC, OUT, nodes,
-    HEADS: tl.constexpr, REPEAT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, P: tl.constexpr,
-    BV: tl.constexpr, STEPS: tl.constexpr,
+def _tree_block_kernel(
+    KQ, V, PROD, LOG_GATE, BETA, SLOTS, MASK, OUT, nodes,
+    HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CONTEXT: tl.constexpr, BLOCK: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """Program (node t, key head hk, block of value columns). KQ [H, 2, q, DK] (k_, then q_), V [H, q, DV],
-    PROD [H, 2q, DV] (k_ S0 rows, then q_ S0 rows), LOG_GATE / BETA [q, H], ANC [q, P]: column 0 the node,
-    then its parent, ..., the root, then ``nodes`` (past the root)."""
-    t = tl.program_id(0)
-    hk = tl.program_id(1)
-    cols = tl.program_id(2) * BV + tl.arange(0, BV)
-    m = tl.arange(0, P)
+    """Program (block b, value head h). KQ [H, 2, q, DK] (k_, then q_), V [H, q, DV], PROD [H, 2q, DV]
+    (k_ S0 rows, then q_ S0 rows), LOG_GATE / BETA [q, H], SLOTS [n, S] (S = CONTEXT + BLOCK; the
+    block's nodes in the last BLOCK slots), MASK [n, S, S] ancestor-or-self, from ``tree_blocks``."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    S: tl.constexpr = CONTEXT + BLOCK
+    i = tl.arange(0, S)
+    j = tl.arange(0, BLOCK) + CONTEXT  # the block's own slots: the nodes whose outputs this program writes
     d = tl.arange(0, DK)
-    anc = tl.load(ANC + t * P + m)  # [P]
-    valid = anc < nodes
-    row = tl.where(valid, anc, 0)
-    kq = KQ + hk * REPEAT * 2 * nodes * DK  # the first of this key head's (repeated) value heads
-    keys = tl.load(kq + row[:, None] * DK + d[None, :], mask=valid[:, None], other=0.0)  # [P, DK]
-    query = tl.load(kq + (nodes + t) * DK + d)  # [DK]
-    gram = tl.dot(keys, tl.trans(keys), input_precision="ieee")  # [P, P]
-    qk = tl.sum(keys * query[None, :], axis=1)  # [P]
-    upper = (m[None, :] > m[:, None]) & valid[None, :]
-    # the path of ancestor m is ancestors m, m+1, ...: its log decay sum G_m is a suffix sum along the path
-    suffix = m[None, :] >= m[:, None]  # [P, P]: column j counts towards row m
-    for r in tl.static_range(REPEAT):
-        h = hk * REPEAT + r
-        g_raw = tl.load(LOG_GATE + row * HEADS + h, mask=valid, other=0.0)
-        g_path = tl.sum(tl.where(suffix, g_raw[None, :], 0.0), axis=1)  # [P] G of each ancestor
-        g_t = tl.sum(tl.where(m == 0, g_path, 0.0))
-        b_path = tl.load(BETA + row * HEADS + h, mask=valid, other=0.0).to(tl.float32)
-        # U[m, n] = beta_{a_m} exp(G_{a_m} - G_{a_n}) gram[m, n], n > m on the path (masked before exp)
-        U = b_path[:, None] * tl.exp(tl.where(upper, g_path[:, None] - g_path[None, :], float("-inf"))) * gram
-        w = tl.where(valid, tl.exp(g_t - g_path) * qk, 0.0)  # starts as e
-        for n in tl.static_range(1, STEPS):  # w_n = e_n - sum_{m<n} w_m U[m, n] (paths have <= STEPS nodes)
-            column = tl.sum(tl.where(m[None, :] == n, U, 0.0), axis=1)
-            w = tl.where(m == n, w - tl.sum(w * column), w)
-        # r_{a_m} = beta_{a_m} (v_{a_m} - exp(G_{a_m}) k_{a_m} S0) for the ancestors' rows
-        values = tl.load(V + (h * nodes + row[:, None]) * DV + cols[None, :], mask=valid[:, None], other=0.0)
-        k_S0 = tl.load(PROD + (h * 2 * nodes + row[:, None]) * DV + cols[None, :], mask=valid[:, None], other=0.0)
-        rows = b_path[:, None] * (values - tl.exp(g_path)[:, None] * k_S0)
-        q_S0 = tl.load(PROD + (h * 2 * nodes + nodes + t) * DV + cols)
-        out = tl.exp(g_t) * q_S0 + tl.sum(w[:, None] * rows, axis=0)
-        tl.store(OUT + (t * HEADS + h) * DV + cols, out)
+    cols = tl.arange(0, DV)
+    slot = tl.load(SLOTS + b * S + i)
+    valid = slot < nodes
+    row = tl.where(valid, slot, 0)
+    node = tl.load(SLOTS + b * S + j)
+    is_node = node < nodes
+    node_row = tl.where(is_node, node, 0)
+    on_path = tl.load(MASK + b * S * S + i[:, None] * S + i[None, :]) != 0  # [S, S] column on row's path
+    node_path = tl.load(MASK + b * S * S + j[:, None] * S + i[None, :]) != 0  # [BLOCK, S]
+    kq = KQ + h * 2 * nodes * DK
+    keys = tl.load(kq + row[:, None] * DK + d[None, :], mask=valid[:, None], other=0.0)  # [S, DK]
+    queries = tl.load(kq + (nodes + node_row[:, None]) * DK + d[None, :], mask=is_node[:, None], other=0.0)
+    gram = tl.dot(keys, tl.trans(keys), input_precision=PRECISION)  # [S, S]
+    qk = tl.dot(queries, tl.trans(keys), input_precision=PRECISION)  # [BLOCK, S]
+    g = tl.load(LOG_GATE + row * HEADS + h, mask=valid, other=0.0)
+    beta = tl.load(BETA + row * HEADS + h, mask=valid, other=0.0).to(tl.float32)
+    G = tl.sum(tl.where(on_path, g[None, :], 0.0), axis=1)  # [S] each slot's path sum of g
+    G_node = tl.sum(tl.where(node_path, g[None, :], 0.0), axis=1)  # [BLOCK]
+    # L[m, n] = beta_m exp(G_m - G_n) k_m.k_n for n a strict ancestor of m (masked before exp): the
+    # deltas solve (I + L) x = r. It is nilpotent (paths hold <= 16 nodes: L^16 = 0), so
+    # (I + L)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8): seven small products instead of a substitution.
+    strict = on_path & (i[:, None] != i[None, :])
+    L = tl.where(strict, beta[:, None] * tl.exp(tl.where(strict, G[:, None] - G[None, :], 0.0)) * gram, 0.0)
+    # the outputs' weights on the slots' deltas, e[t, n] = exp(G_t - G_n) q_t.k_n on t's path, then
+    # w = e (I + L)^-1 weighs the right-hand sides r directly
+    w = tl.where(node_path, tl.exp(tl.where(node_path, G_node[:, None] - G[None, :], 0.0)) * qk, 0.0)
+    w = w - tl.dot(w, L, input_precision=PRECISION)
+    power = tl.dot(L, L, input_precision=PRECISION)
+    w = w + tl.dot(w, power, input_precision=PRECISION)
+    power = tl.dot(power, power, input_precision=PRECISION)
+    w = w + tl.dot(w, power, input_precision=PRECISION)
+    power = tl.dot(power, power, input_precision=PRECISION)
+    w = w + tl.dot(w, power, input_precision=PRECISION)
+    # r_n = beta_n (v_n - exp(G_n) k_n S0) for every slot
+    values = tl.load(V + (h * nodes + row[:, None]) * DV + cols[None, :], mask=valid[:, None], other=0.0)
+    k_S0 = tl.load(PROD + (h * 2 * nodes + row[:, None]) * DV + cols[None, :], mask=valid[:, None], other=0.0)
+    rhs = beta[:, None] * (values - tl.exp(G)[:, None] * k_S0)
+    q_S0 = tl.load(PROD + (h * 2 * nodes + nodes + node_row[:, None]) * DV + cols[None, :], mask=is_node[:, None],
+                   other=0.0)
+    out = tl.exp(G_node)[:, None] * q_S0 + tl.dot(w, rhs, input_precision=PRECISION)  # [BLOCK, DV]
+    tl.store(OUT + (node[:, None] * HEADS + h) * DV + cols[None, :], out, mask=is_node[:, None])
 
 
 def tree_outputs(
@@ -79,22 +91,32 @@ def tree_outputs(
     log_gate: torch.Tensor,  # [q, H] float32 per-node log decay g
     beta: torch.Tensor,  # [q, H]
     state: torch.Tensor,  # [H, dk, dv] float32 committed recurrent state
-    ancestors: torch.Tensor,  # [q, P] (P a power of two >= 16)
+    ancestors: torch.Tensor,  # [q, P] (P = MAX_PATH)
     key_heads: int,
+    blocks: tuple[torch.Tensor, torch.Tensor] | None = None,  # ``deltanet.tree_blocks(ancestors)`` if made already
+    model_dtype: torch.dtype = torch.float32,
     num_warps: int | None = None,
+    precision: str | None = None,
 ) -> torch.Tensor:
-    """Outputs [q, H, dv] float32, as ``deltanet.tree_delta_rule_normalized`` computes them."""
+    """Outputs [q, H, dv] float32, as ``deltanet.tree_delta_rule_normalized`` computes them.
+
+    The kernel's products run on tensor cores: in tf32 for a bfloat16 model (relative error ~1e-3,
+    below the rounding of the outputs to bfloat16 that follows), otherwise in three-pass tf32, as
+    accurate as float32 (``benchmarks/gdn_kernels.py`` prints both errors and times). ``precision``
+    overrides the choice.
+    """
+    from workers.models.deltanet import TREE_BLOCK, tree_blocks
+
     heads, _, nodes, dk = kq.shape
     dv = v_.shape[-1]
-    P = ancestors.shape[1]
+    slots, mask = blocks if blocks is not None else tree_blocks(ancestors)
     # every node's k_ S0 and q_ S0 against its value head's committed state, one batched product: [H, 2q, dv]
     products = torch.bmm(kq.reshape(heads, 2 * nodes, dk), state)
     out = torch.empty(nodes, heads, dv, dtype=torch.float32, device=v_.device)
-    # one warp per program: the forward substitution's reductions stay inside the warp (no barriers)
-    _tree_kernel[(nodes, key_heads, 1)](
-        kq, v_.contiguous(), products, log_gate.float().contiguous(), beta.contiguous(), ancestors.contiguous(),
+    _tree_block_kernel[(slots.shape[0], heads)](
+        kq, v_.contiguous(), products, log_gate.float().contiguous(), beta.contiguous(), slots, mask.view(torch.uint8),
         out, nodes,
-        HEADS=heads, REPEAT=heads // key_heads, DK=dk, DV=dv, P=P, BV=dv, STEPS=min(P, nodes),
+        HEADS=heads, DK=dk, DV=dv, CONTEXT=slots.shape[1] - TREE_BLOCK, BLOCK=TREE_BLOCK, PRECISION=precision or ("tf32" if model_dtype == torch.bfloat16 else "tf32x3"),
         num_warps=num_warps or TREE_WARPS,
     )
     return out

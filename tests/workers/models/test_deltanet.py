@@ -17,6 +17,8 @@ from workers.models.deltanet import (
     chain_conv,
     chain_delta_rule,
     conv_lag_index,
+    preorder,
+    tree_blocks,
     tree_conv,
     tree_delta_rule,
     window_after,
@@ -128,6 +130,42 @@ def test_ancestor_table_refuses_a_tree_deeper_than_its_width() -> None:
         ancestor_table(parents)
     table = ancestor_table(parents[:MAX_PATH])
     assert table[-1].tolist() == list(range(MAX_PATH - 1, -1, -1))
+
+
+def depth_first(parents: torch.Tensor) -> list[int]:
+    """Preorder by an explicit stack, children in index order (roots too)."""
+    children: dict[int, list[int]] = {t: [] for t in range(-1, parents.shape[0])}
+    for t, parent in enumerate(parents.tolist()):
+        children[parent].append(t)
+    order, stack = [], children[-1][::-1]
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(children[node][::-1])
+    return order
+
+
+@pytest.mark.parametrize("q, depth, seed", [(1, 1, 0), (16, 15, 1), (17, 1, 2), (40, 15, 3), (300, 6, 4),
+                                            (300, 15, 5), (1025, 15, 6)])
+def test_tree_blocks_hold_every_path_of_their_nodes(q: int, depth: int, seed: int) -> None:
+    """The CUDA tree kernel's blocks: the preorder is the stack walk's; each block's slots hold every
+    ancestor of each of its nodes, once; the mask is the ancestor-or-self relation of the slots."""
+    g = torch.Generator().manual_seed(seed)
+    parents = torch.arange(-1, q - 1) if depth == q - 1 else random_parents_of_depth(q, depth, g)
+    ancestors = ancestor_table(parents)
+    assert preorder(ancestors).tolist() == depth_first(parents)
+    slots, mask = tree_blocks(ancestors, block=16)
+    assert slots.shape == (-(-q // 16), MAX_PATH + 16) and mask.shape == (slots.shape[0], *slots.shape[1:] * 2)
+    members = slots[:, MAX_PATH:].flatten()
+    assert members[members < q].tolist() == depth_first(parents)
+    for block, block_mask in zip(slots.tolist(), mask):
+        real = [s for s in block if s < q]
+        assert len(real) == len(set(real))
+        for node in block[MAX_PATH:]:
+            if node < q:
+                assert set(path_of(parents, node)) <= set(real)
+        want = torch.tensor([[a < q and b < q and b in path_of(parents, a) for b in block] for a in block])
+        assert torch.equal(block_mask, want)
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -48,6 +48,27 @@ def test_triton_tree_kernel_equals_the_torch_path(q, depth, dk, dv):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("q", [16, 257, 1025])
+def test_the_bfloat16_models_tf32_tree_kernel_stays_below_bfloat16_rounding(q):
+    """For a bfloat16 model the blocked solve's products run in tf32: all outputs within 5e-3 relative
+    of the float32 torch form (bfloat16's own rounding is 3.9e-3), at real head sizes."""
+    from workers.models.deltanet import l2_normalize, tree_delta_rule_normalized
+    from workers.models.gdn_triton import tree_outputs
+
+    g = torch.Generator().manual_seed(q)
+    hk, h, d = 4, 12, 128
+    parents = random_tree_parents(q, MAX_PATH - 1, g)
+    q_ = (l2_normalize(torch.randn(hk, q, d, generator=g)) * d**-0.5).cuda()
+    k_ = l2_normalize(torch.randn(hk, q, d, generator=g)).cuda()
+    v_, state = torch.randn(h, q, d, generator=g).cuda(), (torch.randn(h, d, d, generator=g) * 0.3).cuda()
+    log_gate, beta = (-torch.rand(q, h, generator=g) * 2).cuda(), torch.rand(q, h, generator=g).cuda()
+    ancestors = ancestor_table(parents).cuda()
+    want = tree_delta_rule_normalized(q_, k_, v_, log_gate, beta, state, ancestors, use_triton=False)
+    kq = torch.stack((k_, q_), dim=1).repeat_interleave(h // hk, dim=0)
+    got = tree_outputs(kq, v_, log_gate, beta, state, ancestors, hk, model_dtype=torch.bfloat16)
+    assert ((got - want).norm() / want.norm()).item() < 5e-3
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prologue_kernel_equals_the_torch_conv_norms_and_gates(dtype):
     """The conv prologue reading the window and strided node inputs in place: the extended inputs
