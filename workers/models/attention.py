@@ -24,6 +24,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # above this many folded query rows (query heads per K/V head x queries) one fused SDPA kernel wins
 SMALL_ATTENTION_ROWS = 512
+# ``attention_triton``: query rows per program, and the most splits of the keys (which it makes only
+# while programs are fewer than twice the GPU's multiprocessors; their partial sums are float32
+# [splits, Hkv, R, D], so under 4 x multiprocessors x ROW_BLOCK rows of D)
+ROW_BLOCK = 64
+MAX_KEY_SPLITS = 8
 
 
 def grouped_attention(
@@ -46,14 +51,24 @@ def grouped_attention(
 
 
 def attend_folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                  scale: float, backends: list[SDPBackend] | None = None) -> torch.Tensor:
+                  scale: float, backends: list[SDPBackend] | None = None,
+                  slots: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention of folded rows: query [Hkv, R, D] over key/value [Hkv, C, D] with an
     additive mask [R, C] (None: all visible) -> [Hkv, R, D].
 
     Few rows: scores by one batched product and softmax (accumulated in float32, as transformers'
     eager attention), three kernels of a few microseconds; fused SDPA kernels take ~45 (cuDNN) to
-    ~95 (memory-efficient) microseconds per call for a handful of rows on an H200. Many rows: SDPA.
+    ~95 (memory-efficient) microseconds per call for a handful of rows on an H200. Many rows: SDPA,
+    or, given the pass's K/V ``slots`` (every key after the last of them masked) and half-precision
+    inputs on CUDA, ``attention_triton.attend_until``, which reads keys only up to that slot.
     """
+    if query.shape[1] > SMALL_ATTENTION_ROWS and slots is not None and mask is not None and query.is_cuda:
+        try:
+            from workers.models import attention_triton
+        except ImportError:  # no Triton: SDPA below
+            attention_triton = None
+        if attention_triton is not None and attention_triton.supports(query, key):
+            return attention_triton.attend_until(query, key, value, mask, slots, scale)
     if query.shape[1] > SMALL_ATTENTION_ROWS:
         with sdpa_kernel(backends) if backends else contextlib.nullcontext():
             return F.scaled_dot_product_attention(query[None], key[None], value[None], attn_mask=mask, scale=scale)[0]

@@ -194,7 +194,8 @@ class GatedAttentionLayer:
         heads = heads.view(q, 2 * hq + 2 * hkv, d)
         args = (heads, self.attn.q_norm, self.attn.k_norm, inputs, kv, hq, hkv)
         folded = norm_rotate_heads(*args) if heads.is_cuda and _kernels_available() else norm_rotate_heads_torch(*args)
-        out = attend_folded(folded, kv[0, 0, :, :attend], kv[1, 0, :, :attend], inputs.mask, self.scale)
+        out = attend_folded(folded, kv[0, 0, :, :attend], kv[1, 0, :, :attend], inputs.mask, self.scale,
+                           slots=inputs.slots)
         # the output gate: [q, Hq, D] (sigmoid's output is contiguous, the product lands in it)
         gated = torch.sigmoid(heads[:, : 2 * hq].view(q, hq, 2, d)[:, :, 1]).mul_(out.view(hq, q, d).transpose(0, 1))
         residual = residual_plus(residual, gated.view(q, hq * d), self.o_proj, self.reduce)

@@ -127,7 +127,8 @@ class FusedLayer:
         kv[:, 0].index_copy_(2, inputs.slots, heads[:, hq:].view(q, 2, hkv, d).permute(1, 2, 0, 3))
         # fold each K/V head's query heads into rows: [Hkv, g*q, D], row r*q + t = head kv*g + r, node t
         folded = heads[:, :hq].transpose(0, 1).reshape(hkv, (hq // hkv) * q, d)
-        out = attend_folded(folded, kv[0, 0, :, :attend], kv[1, 0, :, :attend], inputs.mask, self.scale)
+        out = attend_folded(folded, kv[0, 0, :, :attend], kv[1, 0, :, :attend], inputs.mask, self.scale,
+                           slots=inputs.slots)
         residual = _linear_plus(residual, out.reshape(hq, q, d).transpose(0, 1).reshape(q, hq * d), self.o_proj,
                                 self.reduce)
         gate_up = F.linear(_rms_norm(residual, self.post_norm), self.gate_up_weight)

@@ -85,6 +85,21 @@ def _tree_block_kernel(
     tl.store(OUT + (node[:, None] * HEADS + h) * DV + cols[None, :], out, mask=is_node[:, None])
 
 
+@triton.jit
+def _state_products_kernel(X, S, OUT, rows, DK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr,
+                           PRECISION: tl.constexpr):
+    """Program (value head h, block of rows): OUT[h, rows] = X[h, rows] @ S[h], X [H, R, DK], S [H, DK, DV]."""
+    h = tl.program_id(0)
+    r = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    d = tl.arange(0, DK)
+    cols = tl.arange(0, DV)
+    inside = r < rows
+    x = tl.load(X + (h * rows + r[:, None]) * DK + d[None, :], mask=inside[:, None], other=0.0)
+    state = tl.load(S + h * DK * DV + d[:, None] * DV + cols[None, :])
+    tl.store(OUT + (h * rows + r[:, None]) * DV + cols[None, :], tl.dot(x, state, input_precision=PRECISION),
+             mask=inside[:, None])
+
+
 def tree_outputs(
     kq: torch.Tensor,  # [H, 2, q, dk] float32: k_, then q_ (scaled by dk^-1/2), each key head repeated per value head
     v_: torch.Tensor,  # [H, q, dv] float32
@@ -100,23 +115,30 @@ def tree_outputs(
 ) -> torch.Tensor:
     """Outputs [q, H, dv] float32, as ``deltanet.tree_delta_rule_normalized`` computes them.
 
-    The kernel's products run on tensor cores: in tf32 for a bfloat16 model (relative error ~1e-3,
-    below the rounding of the outputs to bfloat16 that follows), otherwise in three-pass tf32, as
-    accurate as float32 (``benchmarks/gdn_kernels.py`` prints both errors and times). ``precision``
-    overrides the choice.
+    The products (with the committed state, then the solve's) run on tensor cores: in tf32 for a
+    bfloat16 model (relative error ~1e-3, below the rounding of the outputs to bfloat16 that follows),
+    otherwise in three-pass tf32, as accurate as float32 (``benchmarks/gdn_kernels.py`` prints both
+    errors and times). ``precision`` overrides the choice.
     """
     from workers.models.deltanet import TREE_BLOCK, tree_blocks
 
     heads, _, nodes, dk = kq.shape
     dv = v_.shape[-1]
+    kq = kq.contiguous()
     slots, mask = blocks if blocks is not None else tree_blocks(ancestors)
-    # every node's k_ S0 and q_ S0 against its value head's committed state, one batched product: [H, 2q, dv]
-    products = torch.bmm(kq.reshape(heads, 2 * nodes, dk), state)
+    precision = precision or ("tf32" if model_dtype == torch.bfloat16 else "tf32x3")
+    # every node's k_ S0 and q_ S0 against its value head's committed state: [H, 2q, dv]
+    products = torch.empty(heads, 2 * nodes, dv, dtype=torch.float32, device=v_.device)
+    rows = min(128, max(16, triton.next_power_of_2(2 * nodes)))
+    _state_products_kernel[(heads, triton.cdiv(2 * nodes, rows))](
+        kq, state, products, 2 * nodes, DK=dk, DV=dv, BLOCK=rows, PRECISION=precision,
+        num_warps=8 if rows == 128 else 4,
+    )
     out = torch.empty(nodes, heads, dv, dtype=torch.float32, device=v_.device)
     _tree_block_kernel[(slots.shape[0], heads)](
         kq, v_.contiguous(), products, log_gate.float().contiguous(), beta.contiguous(), slots, mask.view(torch.uint8),
         out, nodes,
-        HEADS=heads, DK=dk, DV=dv, CONTEXT=slots.shape[1] - TREE_BLOCK, BLOCK=TREE_BLOCK, PRECISION=precision or ("tf32" if model_dtype == torch.bfloat16 else "tf32x3"),
+        HEADS=heads, DK=dk, DV=dv, CONTEXT=slots.shape[1] - TREE_BLOCK, BLOCK=TREE_BLOCK, PRECISION=precision,
         num_warps=num_warps or TREE_WARPS,
     )
     return out

@@ -42,6 +42,7 @@ GiB = 2**30
 # ``graph_activation_bytes``; both fitted to benchmarks/graph_pools.py's measurements)
 GRAPH_POOL_SLACK = 96 * 2**20
 GRAPH_ROW_FACTOR = 4
+MULTIPROCESSORS = 160  # at least any GPU's count (an H200 has 132, an RTX A6000 84): bounds split-key partials
 
 
 @dataclass(frozen=True)
@@ -116,16 +117,22 @@ def graph_activation_bytes(config, budget: RunBudget, dtype: torch.dtype) -> int
     activations at their peak (a captured pass reuses its own freed blocks) plus the allocator's
     segment rounding. Sized from the widest rows (the MLP's gate/up and activation, hidden-size
     temporaries; float32 GDN and attention intermediates make the measured rows ~4x that, see
-    benchmarks/graph_pools.py) and a few-row attention's scores over the whole K/V buffer."""
+    benchmarks/graph_pools.py), a few-row attention's scores over the whole K/V buffer, and many rows'
+    partial sums when the Triton attention splits the keys (and their weighted copy in the merge)."""
     cfg = text_config(config)
     element = torch.empty((), dtype=dtype).element_size()
     row = GRAPH_ROW_FACTOR * (3 * cfg.intermediate_size + 6 * cfg.hidden_size)
     # few rows attend by batched products (``attention.SMALL_ATTENTION_ROWS``): scores and softmax [Hkv, rows, C]
-    from workers.models.attention import SMALL_ATTENTION_ROWS
+    from workers.models.attention import MAX_KEY_SPLITS, ROW_BLOCK, SMALL_ATTENTION_ROWS
 
     rows = cfg.num_attention_heads // cfg.num_key_value_heads * budget.max_verify
-    scores = 2 * cfg.num_key_value_heads * rows * budget.max_tokens * element if rows <= SMALL_ATTENTION_ROWS else 0
-    return GRAPH_POOL_SLACK + budget.max_verify * row * element + scores
+    if rows <= SMALL_ATTENTION_ROWS:
+        attention = 2 * cfg.num_key_value_heads * rows * budget.max_tokens * element
+    else:  # the split keys' partial sums, float32, twice (the merge's weighted copy)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        partial_rows = min(MAX_KEY_SPLITS * cfg.num_key_value_heads * rows, 4 * MULTIPROCESSORS * ROW_BLOCK)
+        attention = 2 * partial_rows * head_dim * 4
+    return GRAPH_POOL_SLACK + budget.max_verify * row * element + attention
 
 
 def plan_split(

@@ -1,0 +1,56 @@
+"""The verify pass's Triton attention against SDPA (GPU only; skipped on CPU machines).
+
+Folded rows of a pass (query heads per K/V head x nodes) over a fixed-capacity K/V buffer with the
+runner's additive mask: the kernel must give SDPA's outputs, with its keys split or not, and must
+not read a key after the pass's last slot (those are NaN here).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.models.attention import attend_folded
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def pass_inputs(heads: int, groups: int, q: int, capacity: int, length: int, dim: int, dtype, seed: int):
+    """(query [Hkv, g*q, D], key, value [Hkv, C, D] with NaN after the pass's keys, mask [g*q, C], slots)."""
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(heads, groups * q, dim, generator=g).to(dtype).cuda()
+    key, value = (torch.randn(heads, capacity, dim, generator=g).to(dtype).cuda() for _ in range(2))
+    key[:, length + q :], value[:, length + q :] = float("nan"), float("nan")
+    visible = (torch.rand(q, q, generator=g) < 0.3).tril() | torch.eye(q, dtype=torch.bool)
+    columns = torch.arange(capacity)
+    relative = columns - length
+    block = visible[:, relative.clamp(0, q - 1)] & (relative >= 0) & (relative < q)
+    allowed = (columns < length) | block
+    mask = torch.full((q, capacity), torch.finfo(dtype).min, dtype=dtype).masked_fill_(allowed, 0.0)
+    return query, key, value, mask.repeat(groups, 1).cuda(), (length + torch.arange(q)).cuda()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("heads", "groups", "q", "capacity", "length", "dim"),
+                         [(4, 6, 257, 2000, 1024, 256), (4, 6, 100, 700, 0, 256), (8, 4, 300, 1500, 333, 128),
+                          (2, 8, 1025, 2100, 1000, 128)])
+@torch.inference_mode()
+def test_triton_attention_equals_sdpa_and_stops_at_the_last_slot(dtype, heads, groups, q, capacity, length, dim):
+    from workers.models.attention_triton import attend_until
+
+    query, key, value, mask, slots = pass_inputs(heads, groups, q, capacity, length, dim, dtype, q)
+    end = length + q
+    want = attend_folded(query, key[:, :end], value[:, :end], mask[:, :end], dim**-0.5).float()
+    results = {}
+    for splits in (None, 1, 3):
+        got = attend_until(query, key, value, mask, slots, dim**-0.5, splits=splits).float()
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+        assert ((got - want).norm() / want.norm()).item() < 5e-3
+        results[splits] = got
+    # the route the fused layers take: attend_folded with the slots
+    routed = attend_folded(query, key, value, mask, dim**-0.5, slots=slots).float()
+    assert torch.equal(routed, results[None])

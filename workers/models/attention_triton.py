@@ -1,0 +1,107 @@
+"""A verify pass's attention as one Triton kernel (CUDA only; ``attention.attend_folded`` calls it).
+
+The target's K/V buffers have a fixed capacity C so that a pass replays as a CUDA graph, and SDPA
+over them reads all C keys with an additive [rows, C] mask, though only the committed past and the
+pass's own q keys are visible. This kernel reads the same mask but stops at the pass's last K/V slot,
+which it reads from the device (the slots tensor), so a replayed graph does the work of the current
+length, not of the capacity. It is a flash-attention forward (online softmax in float32, P rounded
+to the inputs' dtype for the P V product, as SDPA's fused kernels do) over folded rows: query
+[Hkv, R, D], one program per block of rows, K/V head and split of the keys; with few row blocks the
+keys are split and the partial results merged by their log-sum-exps. Tested against SDPA in
+``tests/workers/models/test_attention_triton.py`` (GPU-marked).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from workers.models.attention import MAX_KEY_SPLITS, ROW_BLOCK
+
+KEY_BLOCK = 64  # keys per step
+
+
+@triton.jit
+def _attention_kernel(Q, K, V, MASK, SLOTS, OUT, PARTIAL, STATS, rows, last, k_head_stride, k_row_stride,
+                      mask_stride, scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      SPLITS: tl.constexpr):
+    """Program (row block, K/V head, split). Q / OUT [Hkv, R, D]; K / V rows at head * k_head_stride +
+    key * k_row_stride; MASK [R, C] additive; keys past SLOTS[last] are not read. With SPLITS > 1:
+    PARTIAL [SPLITS, Hkv, R, D] unnormalised float32 sums, STATS [SPLITS, Hkv, R, 2] (max, sum)."""
+    block = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    heads = tl.num_programs(1)
+    r = block * BM + tl.arange(0, BM)
+    d = tl.arange(0, D)
+    in_rows = r < rows
+    end = tl.load(SLOTS + last) + 1  # keys 0..end-1: the committed past and this pass
+    share = tl.cdiv(tl.cdiv(end, SPLITS), BN) * BN
+    lo = split * share
+    hi = tl.minimum(end, lo + share)
+    query = tl.load(Q + (head * rows + r[:, None]) * D + d[None, :], mask=in_rows[:, None], other=0.0)
+    best = tl.full((BM,), float("-inf"), dtype=tl.float32)
+    total = tl.zeros((BM,), dtype=tl.float32)
+    acc = tl.zeros((BM, D), dtype=tl.float32)
+    for start in range(lo, hi, BN):
+        n = start + tl.arange(0, BN)
+        in_keys = n < hi
+        offsets = head * k_head_stride + n[:, None] * k_row_stride + d[None, :]
+        key = tl.load(K + offsets, mask=in_keys[:, None], other=0.0)
+        scores = tl.dot(query, tl.trans(key)) * scale
+        scores += tl.load(MASK + r[:, None] * mask_stride + n[None, :], mask=in_rows[:, None] & in_keys[None, :],
+                          other=0.0).to(tl.float32)
+        scores = tl.where(in_keys[None, :], scores, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, axis=1))  # finite: every step has a key in range
+        p = tl.exp(scores - new_best[:, None])
+        fade = tl.exp(best - new_best)
+        total = total * fade + tl.sum(p, axis=1)
+        value = tl.load(V + offsets, mask=in_keys[:, None], other=0.0)
+        acc = acc * fade[:, None] + tl.dot(p.to(value.dtype), value)
+        best = new_best
+    if SPLITS == 1:
+        tl.store(OUT + (head * rows + r[:, None]) * D + d[None, :], (acc / total[:, None]).to(OUT.dtype.element_ty),
+                 mask=in_rows[:, None])
+    else:
+        at = (split * heads + head) * rows + r
+        tl.store(PARTIAL + at[:, None] * D + d[None, :], acc, mask=in_rows[:, None])
+        tl.store(STATS + at * 2, best, mask=in_rows)
+        tl.store(STATS + at * 2 + 1, total, mask=in_rows)
+
+
+def supports(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Half-precision inputs, a power-of-two head size the tiles take, rows contiguous."""
+    dim = query.shape[-1]
+    return (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and key.dtype == query.dtype
+            and 16 <= dim <= 256 and dim & (dim - 1) == 0 and key.stride(-1) == 1)
+
+
+def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                 slots: torch.Tensor, scale: float, splits: int | None = None) -> torch.Tensor:
+    """Softmax attention of folded rows query [Hkv, R, D] over key/value [Hkv, C, D] (rows contiguous,
+    K and V of the same strides) with the additive mask [R, C], reading keys up to the last of
+    ``slots`` (the pass's K/V slots; every later key must be masked) -> [Hkv, R, D]. ``splits``: of
+    the keys (None: enough programs to fill the GPU twice, at most ``MAX_KEY_SPLITS``)."""
+    heads, rows, dim = query.shape
+    query = query.contiguous()
+    mask = mask if mask.stride(-1) == 1 else mask.contiguous()
+    out = torch.empty_like(query)
+    blocks = triton.cdiv(rows, ROW_BLOCK)
+    if splits is None:
+        sms = torch.cuda.get_device_properties(query.device).multi_processor_count
+        splits = max(1, min(MAX_KEY_SPLITS, triton.cdiv(2 * sms, blocks * heads)))
+    partial = stats = out
+    if splits > 1:
+        partial = torch.empty(splits, heads, rows, dim, dtype=torch.float32, device=query.device)
+        stats = torch.empty(splits, heads, rows, 2, dtype=torch.float32, device=query.device)
+    _attention_kernel[(blocks, heads, splits)](
+        query, key, value, mask, slots, out, partial, stats, rows, slots.shape[0] - 1, key.stride(0), key.stride(1),
+        mask.stride(0), scale, D=dim, BM=ROW_BLOCK, BN=KEY_BLOCK, SPLITS=splits, num_warps=8, num_stages=2,
+    )
+    if splits == 1:
+        return out
+    best, total = stats.unbind(-1)  # [splits, Hkv, R]
+    weight = torch.exp(best - best.amax(0))  # a split that read no key has best -inf: weight 0
+    merged = (weight[..., None] * partial).sum(0) / (weight * total).sum(0)[..., None]
+    return merged.to(query.dtype)
