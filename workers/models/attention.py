@@ -68,7 +68,9 @@ def attend_folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
         except ImportError:  # no Triton: SDPA below
             attention_triton = None
         if attention_triton is not None and attention_triton.supports(query, key):
-            return attention_triton.attend_until(query, key, value, mask, slots, scale)
+            out = attention_triton.attend_until(query, key, value, mask, slots, scale)
+            if out is not None:  # None: the GPU lacks the shared memory for its tiles
+                return out
     if query.shape[1] > SMALL_ATTENTION_ROWS:
         with sdpa_kernel(backends) if backends else contextlib.nullcontext():
             return F.scaled_dot_product_attention(query[None], key[None], value[None], attn_mask=mask, scale=scale)[0]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from workers.models.attention import MAX_KEY_SPLITS, ROW_BLOCK
 
@@ -70,19 +71,25 @@ def _attention_kernel(Q, K, V, MASK, SLOTS, OUT, PARTIAL, STATS, rows, last, k_h
         tl.store(STATS + at * 2 + 1, total, mask=in_rows)
 
 
+_TOO_LARGE: set[tuple[str, int]] = set()  # (device, head size) whose tiles need more shared memory than it has
+
+
 def supports(query: torch.Tensor, key: torch.Tensor) -> bool:
-    """Half-precision inputs, a power-of-two head size the tiles take, rows contiguous."""
+    """Half-precision inputs, a power-of-two head size the tiles take, rows contiguous, and tiles that
+    have fit this GPU's shared memory (an H200 has room for them at D = 256; smaller GPUs may not)."""
     dim = query.shape[-1]
     return (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and key.dtype == query.dtype
-            and 16 <= dim <= 256 and dim & (dim - 1) == 0 and key.stride(-1) == 1)
+            and 16 <= dim <= 256 and dim & (dim - 1) == 0 and key.stride(-1) == 1
+            and (str(query.device), dim) not in _TOO_LARGE)
 
 
 def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                 slots: torch.Tensor, scale: float, splits: int | None = None) -> torch.Tensor:
+                 slots: torch.Tensor, scale: float, splits: int | None = None) -> torch.Tensor | None:
     """Softmax attention of folded rows query [Hkv, R, D] over key/value [Hkv, C, D] (rows contiguous,
     K and V of the same strides) with the additive mask [R, C], reading keys up to the last of
     ``slots`` (the pass's K/V slots; every later key must be masked) -> [Hkv, R, D]. ``splits``: of
-    the keys (None: enough programs to fill the GPU twice, at most ``MAX_KEY_SPLITS``)."""
+    the keys (None: enough programs to fill the GPU twice, at most ``MAX_KEY_SPLITS``). None (and
+    ``supports`` false from then on) if this GPU lacks the shared memory for the tiles."""
     heads, rows, dim = query.shape
     query = query.contiguous()
     mask = mask if mask.stride(-1) == 1 else mask.contiguous()
@@ -95,10 +102,15 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     if splits > 1:
         partial = torch.empty(splits, heads, rows, dim, dtype=torch.float32, device=query.device)
         stats = torch.empty(splits, heads, rows, 2, dtype=torch.float32, device=query.device)
-    _attention_kernel[(blocks, heads, splits)](
-        query, key, value, mask, slots, out, partial, stats, rows, slots.shape[0] - 1, key.stride(0), key.stride(1),
-        mask.stride(0), scale, D=dim, BM=ROW_BLOCK, BN=KEY_BLOCK, SPLITS=splits, num_warps=8, num_stages=2,
-    )
+    try:
+        _attention_kernel[(blocks, heads, splits)](
+            query, key, value, mask, slots, out, partial, stats, rows, slots.shape[0] - 1, key.stride(0),
+            key.stride(1), mask.stride(0), scale, D=dim, BM=ROW_BLOCK, BN=KEY_BLOCK, SPLITS=splits, num_warps=8,
+            num_stages=2,
+        )
+    except OutOfResources:  # raised when compiling, before any launch
+        _TOO_LARGE.add((str(query.device), dim))
+        return None
     if splits == 1:
         return out
     best, total = stats.unbind(-1)  # [splits, Hkv, R]

@@ -54,3 +54,18 @@ def test_triton_attention_equals_sdpa_and_stops_at_the_last_slot(dtype, heads, g
     # the route the fused layers take: attend_folded with the slots
     routed = attend_folded(query, key, value, mask, dim**-0.5, slots=slots).float()
     assert torch.equal(routed, results[None])
+
+
+@torch.inference_mode()
+def test_tiles_too_large_for_the_gpu_fall_back_to_sdpa(monkeypatch):
+    """A GPU without the shared memory for the tiles (the kernel fails to compile): attend_folded gives
+    SDPA's result and stops trying the kernel on that device and head size."""
+    from workers.models import attention_triton
+
+    query, key, value, mask, slots = pass_inputs(4, 6, 100, 700, 50, 128, torch.bfloat16, 0)
+    want = attend_folded(query, key[:, :150], value[:, :150], mask[:, :150], 128**-0.5)
+    monkeypatch.setattr(attention_triton, "KEY_BLOCK", 1024)  # K and V tiles of 1024 x 128: over any GPU's limit
+    monkeypatch.setattr(attention_triton, "_TOO_LARGE", set())
+    got = attend_folded(query, torch.nan_to_num(key), torch.nan_to_num(value), mask, 128**-0.5, slots=slots)
+    torch.testing.assert_close(got, want)
+    assert not attention_triton.supports(query, key)
