@@ -21,8 +21,9 @@ m-th ancestor (m = 0 is t), the path's system is (I + U) x = r with U upper unit
 Solving w^T (I + U) = e^T by forward substitution gives o_t = exp(G_t) S_0^T q_t + w . r_path: per
 node a [P, P] Gram matrix of its path's keys, P scalar steps and one weighted sum of P rows of r.
 The cost follows the tree (q nodes x P ancestors), nothing per node is larger than a token's own
-vectors, and no node's state is formed. On CUDA a Triton kernel (``workers.models.gdn_triton``) does
-the per-node part with everything in registers; the torch form here is the reference and the CPU path.
+vectors, and no node's state is formed. On CUDA a Triton kernel (``workers.models.gdn_triton``) solves
+16 nodes at a time on the slots ``tree_blocks`` gives their paths; the torch form here is the
+reference and the CPU path.
 
 A chain (the prompt, a commit's replay, a long chain verify) uses the chunked form instead
 (``chain_delta_rule``): the same closed form inside chunks of ``CHUNK`` tokens, the state carried from

@@ -7,13 +7,15 @@ and the gates beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias). It rep
 torch kernels. ``gated_norm``: the output's RMSNormGated in one. Both follow the torch path's
 roundings to the model dtype, so they agree with it to rounding.
 
-``tree_outputs``: the per-node path solve of ``workers.models.deltanet.tree_delta_rule_normalized``.
-One batched product gives every node's k_ S0 and q_ S0; then one program per (node, key head) gathers
-the keys of the node's <= P ancestors into registers, forms their [P, P] Gram matrix and the node's
-query products, then, for each value head that shares this key head, forms the path sums of the log
-decay and the right-hand sides r, runs the P-step forward substitution on scalars and sums P rows of
-r. Nothing is written but the outputs; the torch form in ``deltanet`` is the reference it is tested
-against (``tests/workers/models/test_gdn_triton.py``).
+``tree_outputs``: the per-node path solve of ``workers.models.deltanet.tree_delta_rule_normalized``
+in blocks. First every node's k_ S0 and q_ S0 (one product per value head). Then one program per
+(block, value head): a block is 16 nodes consecutive in depth-first order plus the ancestors of its
+first node (``deltanet.tree_blocks``), which hold every path its nodes need. On those 32 slots the
+program forms the keys' Gram matrix, the path sums of the log decay, L (the paths' systems: each
+slot's row on its strict ancestors) and the nodes' query weights e, then w = e (I + L)^-1 by the
+nilpotent product (I - L)(I + L^2)(I + L^4)(I + L^8) and the outputs exp(G) q_ S0 + w r: all
+tensor-core products of 32 x 32 tiles, nothing written but the outputs. The torch form in
+``deltanet`` is the reference it is tested against (``tests/workers/models/test_gdn_triton.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ TREE_WARPS = 4
 def _tree_block_kernel(
     KQ, V, PROD, LOG_GATE, BETA, SLOTS, MASK, OUT, nodes,
     HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CONTEXT: tl.constexpr, BLOCK: tl.constexpr,
-    PRECISION: tl.constexpr,
+    FACTORS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Program (block b, value head h). KQ [H, 2, q, DK] (k_, then q_), V [H, q, DV], PROD [H, 2q, DV]
     (k_ S0 rows, then q_ S0 rows), LOG_GATE / BETA [q, H], SLOTS [n, S] (S = CONTEXT + BLOCK; the
@@ -61,20 +63,18 @@ def _tree_block_kernel(
     G = tl.sum(tl.where(on_path, g[None, :], 0.0), axis=1)  # [S] each slot's path sum of g
     G_node = tl.sum(tl.where(node_path, g[None, :], 0.0), axis=1)  # [BLOCK]
     # L[m, n] = beta_m exp(G_m - G_n) k_m.k_n for n a strict ancestor of m (masked before exp): the
-    # deltas solve (I + L) x = r. It is nilpotent (paths hold <= 16 nodes: L^16 = 0), so
-    # (I + L)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8): seven small products instead of a substitution.
+    # deltas solve (I + L) x = r. L is nilpotent (paths hold <= 2^FACTORS nodes: L^(2^FACTORS) = 0),
+    # so (I + L)^-1 = (I - L)(I + L^2)(I + L^4)...: 2 FACTORS - 1 small products, no substitution.
     strict = on_path & (i[:, None] != i[None, :])
     L = tl.where(strict, beta[:, None] * tl.exp(tl.where(strict, G[:, None] - G[None, :], 0.0)) * gram, 0.0)
     # the outputs' weights on the slots' deltas, e[t, n] = exp(G_t - G_n) q_t.k_n on t's path, then
     # w = e (I + L)^-1 weighs the right-hand sides r directly
     w = tl.where(node_path, tl.exp(tl.where(node_path, G_node[:, None] - G[None, :], 0.0)) * qk, 0.0)
     w = w - tl.dot(w, L, input_precision=PRECISION)
-    power = tl.dot(L, L, input_precision=PRECISION)
-    w = w + tl.dot(w, power, input_precision=PRECISION)
-    power = tl.dot(power, power, input_precision=PRECISION)
-    w = w + tl.dot(w, power, input_precision=PRECISION)
-    power = tl.dot(power, power, input_precision=PRECISION)
-    w = w + tl.dot(w, power, input_precision=PRECISION)
+    power = L
+    for _ in tl.static_range(FACTORS - 1):
+        power = tl.dot(power, power, input_precision=PRECISION)
+        w = w + tl.dot(w, power, input_precision=PRECISION)
     # r_n = beta_n (v_n - exp(G_n) k_n S0) for every slot
     values = tl.load(V + (h * nodes + row[:, None]) * DV + cols[None, :], mask=valid[:, None], other=0.0)
     k_S0 = tl.load(PROD + (h * 2 * nodes + row[:, None]) * DV + cols[None, :], mask=valid[:, None], other=0.0)
@@ -138,7 +138,8 @@ def tree_outputs(
     _tree_block_kernel[(slots.shape[0], heads)](
         kq, v_.contiguous(), products, log_gate.float().contiguous(), beta.contiguous(), slots, mask.view(torch.uint8),
         out, nodes,
-        HEADS=heads, DK=dk, DV=dv, CONTEXT=slots.shape[1] - TREE_BLOCK, BLOCK=TREE_BLOCK, PRECISION=precision,
+        HEADS=heads, DK=dk, DV=dv, CONTEXT=slots.shape[1] - TREE_BLOCK, BLOCK=TREE_BLOCK,
+        FACTORS=max(1, (ancestors.shape[1] - 1).bit_length()), PRECISION=precision,
         num_warps=num_warps or TREE_WARPS,
     )
     return out
