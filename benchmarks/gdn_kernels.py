@@ -58,13 +58,13 @@ def main() -> int:
         blocks = tree_blocks(ancestors)
         blocks_ms = median_ms(graphed(lambda: tree_blocks(ancestors)))
         runs = [(4, p) for p in precisions] + [(8, "tf32")]
-        solves = [median_ms(graphed(lambda w=w, p=p: tree_outputs(kq, v_, g, beta, state, ancestors, hk, blocks,
+        solves = [median_ms(graphed(lambda w=w, p=p: tree_outputs(kq, v_, g, beta, state, ancestors, blocks,
                                                                   num_warps=w, precision=p)))
                   for w, p in runs]
         want = tree_delta_rule_normalized(q_, k_, v_, g, beta, state, ancestors, False)
         errors = []
         for precision in precisions:
-            got = tree_outputs(kq, v_, g, beta, state, ancestors, hk, blocks, precision=precision)
+            got = tree_outputs(kq, v_, g, beta, state, ancestors, blocks, precision=precision)
             errors.append(((got - want).norm() / want.norm()).item())
         torch_ms = median_ms(lambda: tree_delta_rule_normalized(q_, k_, v_, g, beta, state, ancestors, False), 5)
         lines.append(f"{q:>5} {whole:>9.3f} {blocks_ms:>7.3f} {solves[0]:>7.3f} {solves[1]:>7.3f} {solves[2]:>7.3f} "

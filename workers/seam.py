@@ -30,6 +30,11 @@ def text_config(config):
     return inner if inner is not None else config
 
 
+def attention_head_dim(cfg) -> int:
+    """An attention head's size in a text config: its ``head_dim``, else hidden size / heads."""
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
 def is_hybrid(config) -> bool:
     return getattr(config, "model_type", None) in HYBRID_TYPES
 

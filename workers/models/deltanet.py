@@ -247,7 +247,7 @@ def tree_delta_rule_normalized(
         from workers.models.gdn_triton import tree_outputs
 
         kq = torch.stack((k_, q_), dim=1).repeat_interleave(repeat, dim=0)
-        return tree_outputs(kq, v_, log_gate, beta, state, ancestors, key_heads)
+        return tree_outputs(kq, v_, log_gate, beta, state, ancestors)
     sentinel = torch.zeros(num_heads, 1, dtype=torch.float32, device=v_.device)
     G = torch.cat((log_gate.float().T, sentinel), dim=1)[:, ancestors].sum(-1)  # [H, q] path sums
     # the committed state read once per node and head, as one product per key head over its value heads

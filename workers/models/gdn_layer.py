@@ -151,7 +151,7 @@ class GDNLayer:
                     state.copy_(new_state)
         else:
             blocks = None if shape.block_slots is None else (shape.block_slots, shape.block_mask)
-            out = tree_outputs(kq, v_, log_gate, beta, state, shape.ancestors, key_heads, blocks, hidden.dtype)
+            out = tree_outputs(kq, v_, log_gate, beta, state, shape.ancestors, blocks, hidden.dtype)
         if commit:
             conv_window.copy_(extended[extended.shape[0] - self.window :])
         else:

@@ -107,7 +107,6 @@ def tree_outputs(
     beta: torch.Tensor,  # [q, H]
     state: torch.Tensor,  # [H, dk, dv] float32 committed recurrent state
     ancestors: torch.Tensor,  # [q, P] (P = MAX_PATH)
-    key_heads: int,
     blocks: tuple[torch.Tensor, torch.Tensor] | None = None,  # ``deltanet.tree_blocks(ancestors)`` if made already
     model_dtype: torch.dtype = torch.float32,
     num_warps: int | None = None,

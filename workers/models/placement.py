@@ -34,7 +34,7 @@ import torch
 
 from workers.errors import BadInputError
 from workers.models.static_target import MAX_VERIFY_GRAPHS
-from workers.seam import text_config
+from workers.seam import attention_head_dim, text_config
 
 FIXED_BYTES = int(1.5 * 2**30)  # CUDA context, cuBLAS / attention workspaces, allocator slack
 GiB = 2**30
@@ -98,8 +98,7 @@ def layer_state_bytes(config, layer_type: str, budget: RunBudget, dtype: torch.d
         state = 4 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
         pending = tree_state_bytes(cfg, budget.max_verify, dtype) // layers  # one pass's, and each graph's own
         return state + element * conv_dim * cfg.linear_conv_kernel_dim + (1 + budget.graph_widths) * pending
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_key_value_heads * head_dim * budget.max_tokens * element
+    return 2 * cfg.num_key_value_heads * attention_head_dim(cfg) * budget.max_tokens * element
 
 
 def head_bytes(config, budget: RunBudget, dtype: torch.dtype) -> int:
@@ -129,9 +128,8 @@ def graph_activation_bytes(config, budget: RunBudget, dtype: torch.dtype) -> int
     if rows <= SMALL_ATTENTION_ROWS:
         attention = 2 * cfg.num_key_value_heads * rows * budget.max_tokens * element
     else:  # the split keys' partial sums, float32, twice (the merge's weighted copy)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         partial_rows = min(MAX_KEY_SPLITS * cfg.num_key_value_heads * rows, 4 * MULTIPROCESSORS * ROW_BLOCK)
-        attention = 2 * partial_rows * head_dim * 4
+        attention = 2 * partial_rows * attention_head_dim(cfg) * 4
     return GRAPH_POOL_SLACK + budget.max_verify * row * element + attention
 
 
@@ -306,7 +304,7 @@ def _local_config(cfg, world: int):
     import copy
 
     local = copy.copy(cfg)
-    local.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    local.head_dim = attention_head_dim(cfg)
     for name in ("num_key_value_heads", "num_attention_heads", "linear_num_key_heads", "linear_num_value_heads",
                  "intermediate_size"):
         if getattr(cfg, name, None):

@@ -55,7 +55,7 @@ from workers.models.fused_layer import PassInputs, fused_layer_for
 from workers.models.gdn_layer import gdn_layer_for
 from workers.models.graph_cache import GraphCache, capture
 from workers.models.tensor_parallel import TPGroup
-from workers.seam import DraftTree, VerifyOutput, check_supported, text_config
+from workers.seam import DraftTree, VerifyOutput, attention_head_dim, check_supported, text_config
 
 MAX_VERIFY_GRAPHS = 4  # verify widths kept captured (a trial uses 1 for AR, n+1, or B+1)
 
@@ -192,7 +192,7 @@ class StaticTarget:
         # later, slightly longer prompts from reallocating (and re-capturing every graph)
         capacity = -(-(capacity + max_verify) // 1024) * 1024
         self.capacity = capacity
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        head_dim = attention_head_dim(cfg)
         kv_heads = cfg.num_key_value_heads  # this process's K/V heads: all, or one rank's share
         if self.attention_ids:
             kv_heads = self.layers[self.attention_ids[0]].self_attn.k_proj.out_features // head_dim

@@ -65,7 +65,7 @@ def test_the_bfloat16_models_tf32_tree_kernel_stays_below_bfloat16_rounding(q):
     ancestors = ancestor_table(parents).cuda()
     want = tree_delta_rule_normalized(q_, k_, v_, log_gate, beta, state, ancestors, use_triton=False)
     kq = torch.stack((k_, q_), dim=1).repeat_interleave(h // hk, dim=0)
-    got = tree_outputs(kq, v_, log_gate, beta, state, ancestors, hk, model_dtype=torch.bfloat16)
+    got = tree_outputs(kq, v_, log_gate, beta, state, ancestors, model_dtype=torch.bfloat16)
     assert ((got - want).norm() / want.norm()).item() < 5e-3
 
 
