@@ -46,7 +46,7 @@ from orchestrator.config import METRICS, SweepConfig, check_against_block
 from orchestrator.pool import ACTOR_DEATH, Slot, check_resources, release_pool, replace_actor, start_pool
 from orchestrator.predictor import Predictor
 from orchestrator.progress import Progress
-from orchestrator.signals import RAY_ENV, Interrupted, StopSignals
+from orchestrator.signals import RAY_ENV, Interrupted, StopSignals, ray_init_keeps_ours
 from orchestrator.tracking import (
     ROUND_TAG,
     STATUS_TAG,
@@ -235,13 +235,14 @@ class Driver:
         self.ray_started = True  # before init: a half-started Ray is shut down too
         self.progress.note("starting Ray ...")
         try:
-            if ray_cfg.address is None:
-                # address="local": never join a cluster some other `ray start` left on this machine.
-                ray.init(address="local", num_cpus=ray_cfg.num_cpus, num_gpus=ray_cfg.num_gpus,
-                         include_dashboard=False, log_to_driver=False, configure_logging=False)
-            else:
-                ray.init(address=ray_cfg.address, log_to_driver=False, configure_logging=False)
-        except SystemExit as exc:  # Ray's own SIGTERM handler, installed for the duration of ray.init
+            with ray_init_keeps_ours():  # a SIGTERM inside ray.init only sets our flag
+                if ray_cfg.address is None:
+                    # address="local": never join a cluster some other `ray start` left on this machine.
+                    ray.init(address="local", num_cpus=ray_cfg.num_cpus, num_gpus=ray_cfg.num_gpus,
+                             include_dashboard=False, log_to_driver=False, configure_logging=False)
+                else:
+                    ray.init(address=ray_cfg.address, log_to_driver=False, configure_logging=False)
+        except SystemExit as exc:  # a Ray whose handler got installed anyway (see orchestrator.signals)
             if exc.code != signal.SIGTERM:
                 raise
             self.signals.requested = True

@@ -5,11 +5,14 @@ stopping leaves nothing half-written (between store writes, while waiting for Ra
 raises ``KeyboardInterrupt`` at once ("stop now"), except inside a ``critical()`` section (a study or
 run being created or closed), where it only counts as a request.
 
-Ray replaces the process's SIGTERM handler twice during ``ray.init``: its Python handler
-(``sys.exit(15)``, silent) and, when the driver's core worker starts, the C++ failure-signal handler
-that aborts the process. ``ray_started()`` puts ours back afterwards; ``RAY_ENV`` keeps the C++ one
-from being installed in the first place, so a SIGTERM in the middle of ``ray.init`` is at worst
-Ray's ``SystemExit``, which the driver turns into the same clean stop.
+Ray replaces the process's SIGTERM handler during ``ray.init``: with Python handlers (the driver's
+``sys.exit(15)``, the head node's kill-everything-and-``sys.exit(1)``) and, when the driver's core
+worker starts, with the C++ failure-signal handler that aborts the process. A Python handler's
+``SystemExit`` is not even reliable: raised inside a fork hook or a ``__del__`` it is printed and
+dropped, and the signal is lost. So ``ray_init_keeps_ours()`` keeps Ray from installing its Python
+handlers for the duration of ``ray.init`` (a SIGTERM then only sets our flag, checked once it
+returns), ``RAY_ENV`` keeps the C++ one from being installed, and ``ray_started()`` puts ours back
+in case a Ray version installs one some other way.
 """
 
 from __future__ import annotations
@@ -62,3 +65,19 @@ class StopSignals:
     def ray_started(self) -> None:
         """Put our handlers back after ``ray.init`` replaced them."""
         self.install()
+
+
+@contextmanager
+def ray_init_keeps_ours():
+    """During ``ray.init``: Ray's calls to install a SIGTERM handler do nothing, so ours stays."""
+    import ray._private.utils as ray_utils  # here: this module is imported before anything heavy
+
+    install = getattr(ray_utils, "set_sigterm_handler", None)
+    if install is None:  # a Ray without it: ``ray_started()`` and the driver's SystemExit guard remain
+        yield
+        return
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = install
