@@ -59,8 +59,9 @@ def attend_folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
     Few rows: scores by one batched product and softmax (accumulated in float32, as transformers'
     eager attention), three kernels of a few microseconds; fused SDPA kernels take ~45 (cuDNN) to
     ~95 (memory-efficient) microseconds per call for a handful of rows on an H200. Many rows: SDPA,
-    or, given the pass's K/V ``slots`` (every key after the last of them masked) and half-precision
-    inputs on CUDA, ``attention_triton.attend_until``, which reads keys only up to that slot.
+    or, given the pass's K/V ``slots`` (every key after the last of them masked, every key before the
+    first visible) and half-precision inputs on CUDA, ``attention_triton.attend_until``, which reads
+    keys only up to that slot.
     """
     if query.shape[1] > SMALL_ATTENTION_ROWS and slots is not None and mask is not None and query.is_cuda:
         try:

@@ -2,12 +2,17 @@
 
 The target's K/V buffers have a fixed capacity C so that a pass replays as a CUDA graph, and SDPA
 over them reads all C keys with an additive [rows, C] mask, though only the committed past and the
-pass's own q keys are visible. This kernel reads the same mask but stops at the pass's last K/V slot,
-which it reads from the device (the slots tensor), so a replayed graph does the work of the current
-length, not of the capacity. It is a flash-attention forward (online softmax in float32, P rounded
-to the inputs' dtype for the P V product, as SDPA's fused kernels do) over folded rows: query
-[Hkv, R, D], one program per block of rows, K/V head and split of the keys; with few row blocks the
-keys are split and the partial results merged by their log-sum-exps. Tested against SDPA in
+pass's own q keys are visible. This kernel stops at the pass's last K/V slot, which it reads from the
+device (the slots tensor), so a replayed graph does the work of the current length, not of the
+capacity. It reads the mask only over the pass's own keys, in a second loop: the committed past
+before them is visible to every row, so its tiles need no mask tile.
+
+It is a flash-attention forward (online softmax in float32, P rounded to the inputs' dtype for the
+P V product, as SDPA's fused kernels do) over folded rows: query [Hkv, R, D], one program per block
+of rows, K/V head and split of the keys; with few row blocks the keys are split and the partial
+results merged by their log-sum-exps. K, V, the mask and the query are read through block pointers:
+per-element pointer tensors for a [64, 256] tile would hold 128 registers a thread and spill
+(``benchmarks/kernel_resources.py`` prints each kernel's registers and spills per architecture). Tested against SDPA in
 ``tests/workers/models/test_attention_triton.py`` (GPU-marked).
 """
 
@@ -24,43 +29,61 @@ KEY_BLOCK = 64  # keys per step
 
 
 @triton.jit
+def _step(query, keys, values, masks, best, total, acc, start, hi, scale, BN: tl.constexpr, MASKED: tl.constexpr):
+    """One tile of BN keys into the online softmax (best, total, acc); MASKED: add the mask's tile and
+    drop keys from hi on (else every key of the tile is visible to every row)."""
+    key = tl.load(keys, boundary_check=(0,), padding_option="zero")  # rows past hi: zeros, never used
+    scores = tl.dot(query, tl.trans(key)) * scale
+    if MASKED:
+        scores += tl.load(masks, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+        scores = tl.where((start + tl.arange(0, BN) < hi)[None, :], scores, float("-inf"))
+    new_best = tl.maximum(best, tl.max(scores, axis=1))  # finite: every tile has a key in range
+    p = tl.exp(scores - new_best[:, None])
+    fade = tl.exp(best - new_best)
+    value = tl.load(values, boundary_check=(0,), padding_option="zero")
+    acc = acc * fade[:, None] + tl.dot(p.to(value.dtype), value)
+    return new_best, total * fade + tl.sum(p, axis=1), acc
+
+
+@triton.jit
 def _attention_kernel(Q, K, V, MASK, SLOTS, OUT, PARTIAL, STATS, rows, last, k_head_stride, k_row_stride,
                       mask_stride, scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                       SPLITS: tl.constexpr):
     """Program (row block, K/V head, split). Q / OUT [Hkv, R, D]; K / V rows at head * k_head_stride +
-    key * k_row_stride; MASK [R, C] additive; keys past SLOTS[last] are not read. With SPLITS > 1:
-    PARTIAL [SPLITS, Hkv, R, D] unnormalised float32 sums, STATS [SPLITS, Hkv, R, 2] (max, sum)."""
+    key * k_row_stride; MASK [R, C] additive, read only from the pass's first slot SLOTS[0] on (the
+    committed past before it is visible to every row); keys past SLOTS[last] are not read. With
+    SPLITS > 1: PARTIAL [SPLITS, Hkv, R, D] unnormalised float32 sums, STATS [SPLITS, Hkv, R, 2] (max, sum)."""
     block = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
     heads = tl.num_programs(1)
-    r = block * BM + tl.arange(0, BM)
-    d = tl.arange(0, D)
-    in_rows = r < rows
-    end = tl.load(SLOTS + last) + 1  # keys 0..end-1: the committed past and this pass
+    past = tl.load(SLOTS).to(tl.int32)  # the committed length
+    end = (tl.load(SLOTS + last) + 1).to(tl.int32)  # keys 0..end-1: the committed past and this pass
     share = tl.cdiv(tl.cdiv(end, SPLITS), BN) * BN
     lo = split * share
     hi = tl.minimum(end, lo + share)
-    query = tl.load(Q + (head * rows + r[:, None]) * D + d[None, :], mask=in_rows[:, None], other=0.0)
+    unmasked = lo + tl.maximum(0, tl.minimum(hi, past) - lo) // BN * BN  # whole tiles of the past: no mask
+    # block pointers, not per-element pointer tensors (see the module docstring)
+    query = tl.load(tl.make_block_ptr(Q + head * rows * D, (rows, D), (D, 1), (block * BM, 0), (BM, D), (1, 0)),
+                    boundary_check=(0,), padding_option="zero")
+    keys = tl.make_block_ptr(K + head * k_head_stride, (hi, D), (k_row_stride, 1), (lo, 0), (BN, D), (1, 0))
+    values = tl.make_block_ptr(V + head * k_head_stride, (hi, D), (k_row_stride, 1), (lo, 0), (BN, D), (1, 0))
     best = tl.full((BM,), float("-inf"), dtype=tl.float32)
     total = tl.zeros((BM,), dtype=tl.float32)
     acc = tl.zeros((BM, D), dtype=tl.float32)
-    for start in range(lo, hi, BN):
-        n = start + tl.arange(0, BN)
-        in_keys = n < hi
-        offsets = head * k_head_stride + n[:, None] * k_row_stride + d[None, :]
-        key = tl.load(K + offsets, mask=in_keys[:, None], other=0.0)
-        scores = tl.dot(query, tl.trans(key)) * scale
-        scores += tl.load(MASK + r[:, None] * mask_stride + n[None, :], mask=in_rows[:, None] & in_keys[None, :],
-                          other=0.0).to(tl.float32)
-        scores = tl.where(in_keys[None, :], scores, float("-inf"))
-        new_best = tl.maximum(best, tl.max(scores, axis=1))  # finite: every step has a key in range
-        p = tl.exp(scores - new_best[:, None])
-        fade = tl.exp(best - new_best)
-        total = total * fade + tl.sum(p, axis=1)
-        value = tl.load(V + offsets, mask=in_keys[:, None], other=0.0)
-        acc = acc * fade[:, None] + tl.dot(p.to(value.dtype), value)
-        best = new_best
+    for start in range(lo, unmasked, BN):
+        best, total, acc = _step(query, keys, values, None, best, total, acc, start, hi, scale, BN, False)
+        keys = tl.advance(keys, (BN, 0))
+        values = tl.advance(values, (BN, 0))
+    masks = tl.make_block_ptr(MASK, (rows, hi), (mask_stride, 1), (block * BM, unmasked), (BM, BN), (1, 0))
+    for start in range(unmasked, hi, BN):
+        best, total, acc = _step(query, keys, values, masks, best, total, acc, start, hi, scale, BN, True)
+        keys = tl.advance(keys, (BN, 0))
+        values = tl.advance(values, (BN, 0))
+        masks = tl.advance(masks, (0, BN))
+    r = block * BM + tl.arange(0, BM)
+    d = tl.arange(0, D)
+    in_rows = r < rows
     if SPLITS == 1:
         tl.store(OUT + (head * rows + r[:, None]) * D + d[None, :], (acc / total[:, None]).to(OUT.dtype.element_ty),
                  mask=in_rows[:, None])
@@ -87,7 +110,8 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
                  slots: torch.Tensor, scale: float, splits: int | None = None) -> torch.Tensor | None:
     """Softmax attention of folded rows query [Hkv, R, D] over key/value [Hkv, C, D] (rows contiguous,
     K and V of the same strides) with the additive mask [R, C], reading keys up to the last of
-    ``slots`` (the pass's K/V slots; every later key must be masked) -> [Hkv, R, D]. ``splits``: of
+    ``slots`` (the pass's K/V slots; every later key must be masked) -> [Hkv, R, D]. The keys before
+    the first slot (the committed past) must be visible to every row: the mask is read from there on. ``splits``: of
     the keys (None: enough programs to fill the GPU twice, at most ``MAX_KEY_SPLITS``). None (and
     ``supports`` false from then on) if this GPU lacks the shared memory for the tiles."""
     heads, rows, dim = query.shape

@@ -120,30 +120,37 @@ class TreeShape:
     lag_index: [q, K]        rows of cat(conv window, node inputs) each node's conv reads
     ancestors: [q, MAX_PATH] from ``ancestor_table``; None for a chain handled in chunked form
     chain:     the nodes are a chain (known on the host): the conv is one batched causal conv
-    block_slots, block_mask: ``tree_blocks(ancestors)`` for the CUDA tree kernel (None on the CPU or
-               without ancestors)
+    commits:   the pass keeps its nodes as it goes (a prompt chunk, AR's token): no tree kernel, no blocks
+    block_slots, block_mask: ``tree_blocks(ancestors)`` for the CUDA tree kernel of a pass that does not
+               commit (None on the CPU, without ancestors, or for a committing pass)
     """
 
     parents: torch.Tensor
     lag_index: torch.Tensor
     ancestors: torch.Tensor | None
     chain: bool
+    commits: bool = False
     block_slots: torch.Tensor | None = None
     block_mask: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, parents: torch.Tensor, window: int, chain: bool) -> TreeShape:
+    def build(cls, parents: torch.Tensor, window: int, chain: bool, commits: bool = False) -> TreeShape:
         q = parents.shape[0]
         ancestors = None if chain and q > MAX_PATH else ancestor_table(parents)
-        blocks = tree_blocks(ancestors) if ancestors is not None and parents.is_cuda else (None, None)
-        return cls(parents, conv_lag_index(parents, window), ancestors, chain, *blocks)
+        shape = cls(parents, conv_lag_index(parents, window), ancestors, chain, commits)
+        return shape.with_blocks() if parents.is_cuda else shape
+
+    def with_blocks(self) -> TreeShape:
+        """This shape with the tree kernel's blocks, if its pass runs that kernel and they are missing."""
+        if self.ancestors is not None and not self.commits and self.block_slots is None:
+            self.block_slots, self.block_mask = tree_blocks(self.ancestors)
+        return self
 
     def to(self, device: torch.device) -> TreeShape:
         moved = [None if x is None else x.to(device)
-                 for x in (self.ancestors, self.block_slots, self.block_mask)]
-        if moved[0] is not None and moved[1] is None and torch.device(device).type == "cuda":
-            moved[1:] = tree_blocks(moved[0])  # built on the CPU, used by a CUDA segment
-        return TreeShape(self.parents.to(device), self.lag_index.to(device), moved[0], self.chain, *moved[1:])
+                 for x in (self.parents, self.lag_index, self.ancestors, self.block_slots, self.block_mask)]
+        shape = TreeShape(*moved[:3], self.chain, self.commits, *moved[3:])
+        return shape.with_blocks() if torch.device(device).type == "cuda" else shape  # CPU-built, CUDA-used
 
 
 # -- the short convolution ---------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 TREE_WARPS = 4
+PRODUCT_STEP = 32  # the state products' step along dk
 
 
 @triton.jit
@@ -87,17 +88,23 @@ def _tree_block_kernel(
 
 @triton.jit
 def _state_products_kernel(X, S, OUT, rows, DK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr,
-                           PRECISION: tl.constexpr):
-    """Program (value head h, block of rows): OUT[h, rows] = X[h, rows] @ S[h], X [H, R, DK], S [H, DK, DV]."""
+                           BK: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (value head h, block of rows): OUT[h, rows] = X[h, rows] @ S[h], X [H, R, DK], S [H, DK, DV].
+
+    Over DK in steps of BK, with block pointers: whole [BLOCK, DK] and [DK, DV] float32 tiles would need
+    128 KB of shared memory at DK = DV = 128, more than an RTX A6000 gives a block (99 KB)."""
     h = tl.program_id(0)
-    r = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    d = tl.arange(0, DK)
-    cols = tl.arange(0, DV)
-    inside = r < rows
-    x = tl.load(X + (h * rows + r[:, None]) * DK + d[None, :], mask=inside[:, None], other=0.0)
-    state = tl.load(S + h * DK * DV + d[:, None] * DV + cols[None, :])
-    tl.store(OUT + (h * rows + r[:, None]) * DV + cols[None, :], tl.dot(x, state, input_precision=PRECISION),
-             mask=inside[:, None])
+    start = tl.program_id(1) * BLOCK
+    x = tl.make_block_ptr(X + h * rows * DK, (rows, DK), (DK, 1), (start, 0), (BLOCK, BK), (1, 0))
+    state = tl.make_block_ptr(S + h * DK * DV, (DK, DV), (DV, 1), (0, 0), (BK, DV), (1, 0))
+    acc = tl.zeros((BLOCK, DV), dtype=tl.float32)
+    for _ in range(0, DK, BK):
+        acc = tl.dot(tl.load(x, boundary_check=(0,), padding_option="zero"), tl.load(state), acc,
+                     input_precision=PRECISION)
+        x = tl.advance(x, (0, BK))
+        state = tl.advance(state, (BK, 0))
+    tl.store(tl.make_block_ptr(OUT + h * rows * DV, (rows, DV), (DV, 1), (start, 0), (BLOCK, DV), (1, 0)), acc,
+             boundary_check=(0,))
 
 
 def tree_outputs(
@@ -130,8 +137,8 @@ def tree_outputs(
     products = torch.empty(heads, 2 * nodes, dv, dtype=torch.float32, device=v_.device)
     rows = min(128, max(16, triton.next_power_of_2(2 * nodes)))
     _state_products_kernel[(heads, triton.cdiv(2 * nodes, rows))](
-        kq, state, products, 2 * nodes, DK=dk, DV=dv, BLOCK=rows, PRECISION=precision,
-        num_warps=8 if rows == 128 else 4,
+        kq, state, products, 2 * nodes, DK=dk, DV=dv, BLOCK=rows, BK=min(dk, PRODUCT_STEP), PRECISION=precision,
+        num_warps=8 if rows == 128 else 4, num_stages=2,
     )
     out = torch.empty(nodes, heads, dv, dtype=torch.float32, device=v_.device)
     _tree_block_kernel[(slots.shape[0], heads)](

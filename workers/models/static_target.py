@@ -292,7 +292,7 @@ class StaticTarget:
                                                                             commit=True))
                 else:  # one graph per segment, as for a split target's verify pass
                     self._advance_graphs[q] = self._capture_segments(
-                        lambda: self._head(*static, self.capacity, True), last_only=True, commit=True)
+                        lambda: self._head(*static, self.capacity, True, commit=True), last_only=True, commit=True)
             except RuntimeError as exc:  # as for a verify pass: run eagerly from here on
                 warnings.warn(f"CUDA graph capture failed ({type(exc).__name__}: {str(exc)[:200]}); running eagerly",
                               stacklevel=3)
@@ -478,15 +478,16 @@ class StaticTarget:
                  chain: bool = False, commit: bool = False) -> VerifyOutput:
         """One pass over q nodes after the committed past. ``attend`` = K/V slots read (graphs: all);
         ``chain``: the nodes are a line; ``commit``: GDN layers keep all of them (the prompt)."""
-        hidden, per_device = self._head(ids, depths, parents, visible, attend, chain)
+        hidden, per_device = self._head(ids, depths, parents, visible, attend, chain, commit)
         captured: dict[int, torch.Tensor] = {}
         with grouped_attention_in(self.config):
             for start, end in self.segments:
                 hidden = self._run_layers(hidden, per_device, captured, commit, start, end)
         return self._tail(hidden, captured, last_only)
 
-    def _head(self, ids, depths, parents, visible, attend: int | None, chain: bool):
-        """The embedding and what every layer of the pass shares: (hidden [1, q, H], ``_PerDevice``)."""
+    def _head(self, ids, depths, parents, visible, attend: int | None, chain: bool, commit: bool = False):
+        """The embedding and what every layer of the pass shares: (hidden [1, q, H], ``_PerDevice``).
+        ``commit``: the pass keeps its nodes as it goes, so its GDN layers need no tree blocks."""
         q = ids.shape[0]
         self._graph_width = None
         if attend is None:  # eager: the committed length is known on the host
@@ -506,7 +507,7 @@ class StaticTarget:
         shared = {"cos": cos, "sin": sin, "mask": mask, "slots": slots}
         if self.linear_ids:
             window = self.gdn[self.linear_ids[0]].window
-            shared["tree"] = TreeShape.build(parents, window, chain)
+            shared["tree"] = TreeShape.build(parents, window, chain, commits=commit)
         if any(self.fused.values()):
             groups = self.config.num_attention_heads // self.config.num_key_value_heads
             shared["fused"] = PassInputs.build(cos, sin, slots, mask[0, 0], groups)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from workers.models.deltanet import (
     MAX_PATH,
+    TreeShape,
     ancestor_table,
     chain_conv,
     chain_delta_rule,
@@ -166,6 +167,25 @@ def test_tree_blocks_hold_every_path_of_their_nodes(q: int, depth: int, seed: in
                 assert set(path_of(parents, node)) <= set(real)
         want = torch.tensor([[a < q and b < q and b in path_of(parents, a) for b in block] for a in block])
         assert torch.equal(block_mask, want)
+
+
+def test_only_a_pass_that_does_not_commit_gets_tree_blocks() -> None:
+    """A verify pass's shape carries the tree kernel's blocks once it is on a CUDA device
+    (``with_blocks``, which ``build`` and ``to`` call there); a committing pass's (AR's token, a prompt
+    chunk) never does, so a graph-replayed AR step builds no blocks, and a copy mirrors its source
+    tensor for tensor (what a split graph's hand-off copies into)."""
+    parents = random_parents(40, torch.Generator().manual_seed(3))
+    verify = TreeShape.build(parents, 3, chain=False)
+    assert verify.block_slots is None  # on the CPU the torch path reads no blocks
+    verify.with_blocks()
+    want_slots, want_mask = tree_blocks(ancestor_table(parents))
+    assert torch.equal(verify.block_slots, want_slots) and torch.equal(verify.block_mask, want_mask)
+    committing = TreeShape.build(torch.arange(-1, 1), 3, chain=True, commits=True).with_blocks()
+    assert committing.ancestors is not None and committing.block_slots is None
+    for shape in (verify, committing):
+        copy = shape.to(torch.device("cpu"))
+        assert [name for name, v in vars(copy).items() if isinstance(v, torch.Tensor)] == \
+            [name for name, v in vars(shape).items() if isinstance(v, torch.Tensor)]
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -146,7 +146,7 @@ def test_gdn_layer_through_the_kernels_equals_its_torch_path(dtype, chain, q):
     generator = torch.Generator().manual_seed(5)
     hidden = torch.randn(1, q, 256, generator=generator).to(dtype).cuda()
     parents = torch.arange(-1, q - 1) if chain else random_tree_parents(q, 15, generator)
-    shape = TreeShape.build(parents.cuda(), layer.window, chain)
+    shape = TreeShape.build(parents.cuda(), layer.window, chain, commits=chain)
     window0 = torch.randn(layer.window, layer.conv_dim, generator=generator).to(dtype).cuda()
     state0 = (torch.randn(layer.state_shape, generator=generator) * 0.3).cuda()
     results = []

@@ -1,0 +1,181 @@
+"""What every Triton kernel of the project needs from a GPU it has not run on: compiled ahead of time,
+on this machine, with no GPU, for the architectures people run on.
+
+    python benchmarks/kernel_resources.py [--shape qwen3.6-27b] [--arch 80,86,89,90]
+
+Each kernel is compiled exactly as its wrapper launches it for the named model shape (the wrapper runs
+on CPU tensors of the real layouts and its launch is recorded instead of run), for each architecture
+(86: the RTX A6000 the project's users run; 90: the H200 its benchmarks run on). Printed per kernel
+and architecture: shared memory against the architecture's per-block limit (more than that and the
+launch fails with OutOfResources), registers per thread, and local-memory stack bytes (non-zero when
+ptxas spilled registers, which slows the kernel). Needs ``triton`` with its bundled ``ptxas`` and
+``cuobjdump``; no CUDA device or driver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from workers.models import attention_triton, deltanet, fused_hybrid_triton, gdn_triton
+from workers.models.shapes import TARGETS
+
+# the most shared memory one block may use (opt-in), per compute capability (CUDA programming guide)
+SHARED_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448}
+POINTER = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64",
+           torch.int32: "*i32", torch.uint8: "*u8", torch.bool: "*i1"}
+
+
+@dataclass
+class Launch:
+    """One recorded launch: the kernel, its arguments and launch options."""
+
+    label: str
+    kernel: triton.runtime.JITFunction
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+
+    def source(self) -> tuple[ASTSource, dict]:
+        values = dict(zip(self.kernel.arg_names, self.args)) | {
+            k: v for k, v in self.kwargs.items() if k in self.kernel.arg_names}
+        signature, constants = {}, {}
+        for param in self.kernel.params:
+            value = values[param.name]
+            if param.is_constexpr:
+                signature[param.name], constants[param.name] = "constexpr", value
+            elif isinstance(value, torch.Tensor):
+                signature[param.name] = POINTER[value.dtype]
+            elif isinstance(value, bool):
+                signature[param.name] = "i1"
+            elif isinstance(value, int):
+                signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            else:
+                signature[param.name] = "fp32"
+        options = {"num_warps": self.kwargs.get("num_warps", 4), "num_stages": self.kwargs.get("num_stages", 3)}
+        return ASTSource(self.kernel, signature, constexprs=constants), options
+
+
+@contextmanager
+def recording(module, name: str, label: str, into: list[Launch]):
+    """``module.name`` (a Triton kernel) records its launches into ``into`` instead of running."""
+    kernel = getattr(module, name)
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: into.append(Launch(label, kernel, args, kwargs))
+
+    setattr(module, name, Recorder())
+    try:
+        yield
+    finally:
+        setattr(module, name, kernel)
+
+
+def launches(shape: dict, q: int = 257) -> list[Launch]:
+    """The launches of one verify pass's kernels (and AR's step and a commit) at ``shape``'s sizes."""
+    out: list[Launch] = []
+    hk, h = shape["linear_num_key_heads"], shape["linear_num_value_heads"]
+    d, taps = shape["linear_key_head_dim"], shape["linear_conv_kernel_dim"]
+    channels = (2 * hk + h) * d
+    bf16, f32 = torch.bfloat16, torch.float32
+    parents = torch.cat((torch.tensor([-1]), torch.arange(q - 1) // 2))  # a binary tree, depth < 15 for q = 257
+    ancestors = deltanet.ancestor_table(parents)
+    lag = deltanet.conv_lag_index(parents, taps - 1)
+    inputs = torch.zeros(q, channels, dtype=bf16)
+    gates = (torch.zeros(q, h, dtype=bf16), torch.zeros(q, h, dtype=bf16), torch.zeros(h), torch.zeros(h))
+    with recording(gdn_triton, "_prologue_kernel", "GDN prologue (conv, norms, gates)", out):
+        gdn_triton.prologue(torch.zeros(taps - 1, channels, dtype=bf16), inputs, lag,
+                            torch.zeros(channels, taps, dtype=bf16), None, hk, h, d,
+                            torch.empty(taps - 1 + q, channels, dtype=bf16), gates)
+    kq, v_ = torch.zeros(h, 2, q, d), torch.zeros(h, q, d)
+    g, beta, state = torch.zeros(q, h), torch.zeros(q, h, dtype=bf16), torch.zeros(h, d, d)
+    for dtype, precision in ((bf16, "tf32"), (f32, "tf32x3")):
+        with (recording(gdn_triton, "_state_products_kernel", f"GDN state products ({precision})", out),
+              recording(gdn_triton, "_tree_block_kernel", f"GDN tree blocks ({precision})", out)):
+            gdn_triton.tree_outputs(kq, v_, g, beta, state, ancestors, model_dtype=dtype)
+    with recording(gdn_triton, "_gated_norm_kernel", "GDN gated norm", out):
+        gdn_triton.gated_norm(torch.zeros(q, h, d), torch.zeros(q, h * d, dtype=bf16), torch.zeros(d, dtype=bf16),
+                              1e-6, bf16)
+    with recording(gdn_triton, "_chain_state_kernel", "GDN AR step (1 token)", out):
+        gdn_triton.advance_state(torch.zeros(hk, 1, d), torch.zeros(hk, 1, d), torch.zeros(h, 1, d),
+                                 torch.zeros(1, h), torch.zeros(1, h, dtype=bf16), state)
+    for count in (1, 16):
+        with recording(gdn_triton, "_commit_kernel", f"GDN commit ({count} nodes)", out):
+            gdn_triton.commit_path(torch.zeros(taps - 1 + q, channels, dtype=bf16), torch.arange(count),
+                                   torch.zeros(channels, taps, dtype=bf16), None, g, beta, state,
+                                   torch.zeros(taps - 1, channels, dtype=bf16), hk)
+
+    heads, kv_heads, head_dim = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    rotary = int(head_dim * shape.get("rope_parameters", {}).get("partial_rotary_factor", 1.0))
+    capacity, rows = 2048, (heads // kv_heads) * q
+    kv = torch.zeros(2, 1, kv_heads, capacity, head_dim, dtype=bf16)
+    slots = torch.arange(q) + 1024
+    for splits in (1, 4):
+        with recording(attention_triton, "_attention_kernel", f"verify attention ({splits} key splits)", out):
+            attention_triton.attend_until(torch.zeros(kv_heads, rows, head_dim, dtype=bf16), kv[0, 0], kv[1, 0],
+                                          torch.zeros(rows, capacity, dtype=bf16), slots, head_dim**-0.5, splits)
+    with recording(fused_hybrid_triton, "_heads_kernel", "attention heads (norm, rotary, K/V write)", out):
+        fused_hybrid_triton.norm_rotate_heads(torch.zeros(q, 2 * heads + 2 * kv_heads, head_dim, dtype=bf16),
+                                              torch.zeros(head_dim, dtype=bf16), torch.zeros(head_dim, dtype=bf16),
+                                              1e-6, torch.zeros(q, rotary, dtype=bf16),
+                                              torch.zeros(q, rotary, dtype=bf16), slots, kv, heads, kv_heads)
+    with recording(fused_hybrid_triton, "_one_plus_rms_norm_kernel", "(1 + w) RMS norm (hidden)", out):
+        fused_hybrid_triton.one_plus_rms_norm(torch.zeros(q, shape["hidden_size"], dtype=bf16),
+                                              torch.zeros(shape["hidden_size"], dtype=bf16), 1e-6)
+    with recording(fused_hybrid_triton, "_silu_mul_kernel", "MLP silu(gate) * up", out):
+        fused_hybrid_triton.silu_mul(torch.zeros(q, 2 * shape["intermediate_size"], dtype=bf16))
+    return out
+
+
+def resources(launch: Launch, arch: int) -> dict:
+    """Compile ``launch`` for sm_``arch``: shared bytes, registers per thread, stack bytes (spills)."""
+    source, options = launch.source()
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", cubin.name],
+                               capture_output=True, text=True, check=True).stdout
+    found = dict(re.findall(r"(REG|STACK):(\d+)", usage))
+    return {"shared": compiled.metadata.shared, "regs": int(found.get("REG", 0)), "stack": int(found.get("STACK", 0))}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen3.6-27b", choices=sorted(TARGETS))
+    parser.add_argument("--arch", default="80,86,89,90", help="compute capabilities, e.g. 86 for an RTX A6000")
+    args = parser.parse_args()
+    arches = [int(a) for a in args.arch.split(",")]
+    shape = TARGETS[args.shape]
+    if "linear_num_key_heads" not in shape:
+        parser.error(f"--shape {args.shape}: not a hybrid (Gated DeltaNet) target; these kernels are the hybrids'")
+    print(f"{args.shape}: Triton {triton.__version__}; per architecture: shared = bytes per block / the "
+          "most a block may have, regs = registers per thread, stack = bytes spilled per thread")
+    print(f"{'kernel':<44}{'warps':>6}" + "".join(f"{f'sm_{a} shared':>20}{'regs':>6}{'stack':>7}" for a in arches))
+    problems = []
+    for launch in launches(shape):
+        row = f"{launch.label:<44}{launch.kwargs.get('num_warps', 4):>6}"
+        for arch in arches:
+            used = resources(launch, arch)
+            limit = SHARED_LIMIT.get(arch)
+            row += f"{used['shared']:>13}/{limit or '?':<6}{used['regs']:>6}{used['stack']:>7}"
+            if limit is not None and used["shared"] > limit:
+                problems.append(f"{launch.label} needs {used['shared']} B of shared memory; sm_{arch} has {limit}")
+            if used["stack"]:
+                problems.append(f"{launch.label} spills on sm_{arch} ({used['stack']} B of stack per thread)")
+        print(row)
+    print("\n".join(problems) if problems else "every kernel fits every architecture, with no spills")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
