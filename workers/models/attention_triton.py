@@ -25,7 +25,8 @@ from triton.runtime.errors import OutOfResources
 
 from workers.models.attention import MAX_KEY_SPLITS, ROW_BLOCK
 
-KEY_BLOCK = 64  # keys per step
+KEY_BLOCK = 64  # keys per step (rows per program: ``attention.ROW_BLOCK``)
+WARPS, STAGES = 8, 2  # the tiles' launch options (``benchmarks/attention_kernels.py`` times others)
 
 
 @triton.jit
@@ -129,8 +130,8 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     try:
         _attention_kernel[(blocks, heads, splits)](
             query, key, value, mask, slots, out, partial, stats, rows, slots.shape[0] - 1, key.stride(0),
-            key.stride(1), mask.stride(0), scale, D=dim, BM=ROW_BLOCK, BN=KEY_BLOCK, SPLITS=splits, num_warps=8,
-            num_stages=2,
+            key.stride(1), mask.stride(0), scale, D=dim, BM=ROW_BLOCK, BN=KEY_BLOCK, SPLITS=splits, num_warps=WARPS,
+            num_stages=STAGES,
         )
     except OutOfResources:  # raised when compiling, before any launch
         _TOO_LARGE.add((str(query.device), dim))
