@@ -123,7 +123,8 @@ class GDNLayer:
 
     def _with_kernels(self, hidden, shape: TreeShape, conv_window, state, commit: bool, residual):
         """``__call__`` through the Triton kernels: one projection, one conv prologue (with the gates and
-        the extended conv inputs), the tree or chunked delta rule, one gated norm, out_proj."""
+        the extended conv inputs), the tree kernel (the gated norm in its epilogue) or the chunked delta
+        rule and one gated norm, out_proj."""
         mixer, q = self.mixer, hidden.shape[1]
         if self.projection is not None:  # views of one [q, C + H*dv + 2H] product: rows strided
             conv_inputs, z, b, a = torch.split(F.linear(hidden[0], self.projection), self.splits, dim=-1)
@@ -138,7 +139,7 @@ class GDNLayer:
         kq, v_, beta, log_gate = prologue(conv_window, conv_inputs, shape.lag_index, mixer.conv1d.weight[:, 0, :],
                                           mixer.conv1d.bias, key_heads, heads, mixer.head_k_dim, extended,
                                           (b, a, mixer.A_log, mixer.dt_bias))
-        pending = None
+        pending = normed = None
         if commit and q <= MAX_PATH:  # a few tokens kept whole (AR's one): the recurrence, state in registers
             out = advance_state(kq[:, 0], kq[:, 1], v_, log_gate, beta, state)
         elif shape.ancestors is None or commit:  # a long chain (prompt chunks): the chunked form
@@ -149,14 +150,16 @@ class GDNLayer:
                                                              repeated=True)
                 if commit:
                     state.copy_(new_state)
-        else:
+        else:  # a tree: its gated norm in the tree kernel's epilogue
             blocks = None if shape.block_slots is None else (shape.block_slots, shape.block_mask)
-            out = tree_outputs(kq, v_, log_gate, beta, state, shape.ancestors, blocks, hidden.dtype)
+            normed = tree_outputs(kq, v_, log_gate, beta, state, shape.ancestors, blocks, hidden.dtype,
+                                  norm=(z, mixer.norm.weight, mixer.norm.variance_epsilon))
         if commit:
             conv_window.copy_(extended[extended.shape[0] - self.window :])
         else:
             pending = PendingLayer(extended, shape.lag_index, log_gate, beta)
-        normed = gated_norm(out.contiguous(), z, mixer.norm.weight, mixer.norm.variance_epsilon, hidden.dtype)
+        if normed is None:
+            normed = gated_norm(out.contiguous(), z, mixer.norm.weight, mixer.norm.variance_epsilon, hidden.dtype)
         if residual is None:
             return self._reduced(mixer.out_proj(normed).unsqueeze(0)), pending
         # the residual sum in out_proj's epilogue (sharded: added after the reduce)

@@ -32,13 +32,15 @@ PRODUCT_STEP = 32  # the state products' step along dk
 
 @triton.jit
 def _tree_block_kernel(
-    KQ, V, PROD, LOG_GATE, BETA, SLOTS, MASK, OUT, nodes,
+    KQ, V, PROD, LOG_GATE, BETA, SLOTS, MASK, OUT, Z, NORM_W, nodes, z_stride, eps,
     HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CONTEXT: tl.constexpr, BLOCK: tl.constexpr,
-    FACTORS: tl.constexpr, PRECISION: tl.constexpr,
+    FACTORS: tl.constexpr, PRECISION: tl.constexpr, NORMED: tl.constexpr,
 ):
     """Program (block b, value head h). KQ [H, 2, q, DK] (k_, then q_), V [H, q, DV], PROD [H, 2q, DV]
     (k_ S0 rows, then q_ S0 rows), LOG_GATE / BETA [q, H], SLOTS [n, S] (S = CONTEXT + BLOCK; the
-    block's nodes in the last BLOCK slots), MASK [n, S, S] ancestor-or-self, from ``tree_blocks``."""
+    block's nodes in the last BLOCK slots), MASK [n, S, S] ancestor-or-self, from ``tree_blocks``.
+    OUT [q, H, DV] float32; or, NORMED, [q, H*DV] in OUT's dtype after the gated norm of each row
+    (``_gated_norm``'s, with Z [q, H*DV] (rows z_stride apart) and NORM_W [DV])."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     S: tl.constexpr = CONTEXT + BLOCK
@@ -83,6 +85,9 @@ def _tree_block_kernel(
     q_S0 = tl.load(PROD + (h * 2 * nodes + nodes + node_row[:, None]) * DV + cols[None, :], mask=is_node[:, None],
                    other=0.0)
     out = tl.exp(G_node)[:, None] * q_S0 + tl.dot(w, rhs, input_precision=PRECISION)  # [BLOCK, DV]
+    if NORMED:
+        z = tl.load(Z + node_row[:, None] * z_stride + h * DV + cols[None, :], mask=is_node[:, None], other=0.0)
+        out = _gated_norm(out, z, tl.load(NORM_W + cols)[None, :], eps, OUT.dtype.element_ty, DV)
     tl.store(OUT + (node[:, None] * HEADS + h) * DV + cols[None, :], out, mask=is_node[:, None])
 
 
@@ -118,8 +123,11 @@ def tree_outputs(
     model_dtype: torch.dtype = torch.float32,
     num_warps: int | None = None,
     precision: str | None = None,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (z [q, H*dv], weight [dv], eps)
 ) -> torch.Tensor:
-    """Outputs [q, H, dv] float32, as ``deltanet.tree_delta_rule_normalized`` computes them.
+    """Outputs [q, H, dv] float32, as ``deltanet.tree_delta_rule_normalized`` computes them; with
+    ``norm``, ``gated_norm(outputs, z, weight, eps, model_dtype)`` [q, H*dv] instead, in the kernel's
+    epilogue (the float32 outputs are never written).
 
     The products (with the committed state, then the solve's) run on tensor cores: in tf32 for a
     bfloat16 model (relative error ~1e-3, below the rounding of the outputs to bfloat16 that follows),
@@ -140,12 +148,18 @@ def tree_outputs(
         kq, state, products, 2 * nodes, DK=dk, DV=dv, BLOCK=rows, BK=min(dk, PRODUCT_STEP), PRECISION=precision,
         num_warps=8 if rows == 128 else 4, num_stages=2,
     )
-    out = torch.empty(nodes, heads, dv, dtype=torch.float32, device=v_.device)
+    if norm is None:
+        out = torch.empty(nodes, heads, dv, dtype=torch.float32, device=v_.device)
+        z, weight, eps = out, out, 0.0  # not read
+    else:
+        z, weight, eps = norm
+        z = z if z.stride(-1) == 1 else z.contiguous()
+        out = torch.empty(nodes, heads * dv, dtype=model_dtype, device=v_.device)
     _tree_block_kernel[(slots.shape[0], heads)](
         kq, v_.contiguous(), products, log_gate.float().contiguous(), beta.contiguous(), slots, mask.view(torch.uint8),
-        out, nodes,
+        out, z, weight, nodes, z.stride(0), eps,
         HEADS=heads, DK=dk, DV=dv, CONTEXT=slots.shape[1] - TREE_BLOCK, BLOCK=TREE_BLOCK,
-        FACTORS=max(1, (ancestors.shape[1] - 1).bit_length()), PRECISION=precision,
+        FACTORS=max(1, (ancestors.shape[1] - 1).bit_length()), PRECISION=precision, NORMED=norm is not None,
         num_warps=num_warps or TREE_WARPS,
     )
     return out
@@ -253,17 +267,25 @@ def prologue(
 
 
 @triton.jit
+def _gated_norm(x, z, weight, eps, dtype: tl.constexpr, D: tl.constexpr):
+    """Qwen3.5's RMSNormGated of rows x [R, D] (float32) with gates z [R, D], with its roundings to
+    ``dtype``: the norm's output, the weight's product, the gated result."""
+    x = x.to(dtype).to(tl.float32)
+    y = (x * tl.rsqrt(tl.sum(x * x, axis=1, keep_dims=True) / D + eps)).to(dtype)
+    y = (weight.to(dtype) * y).to(tl.float32)
+    z = z.to(tl.float32)
+    return (y * z * tl.sigmoid(z)).to(dtype)
+
+
+@triton.jit
 def _gated_norm_kernel(O, Z, W, OUT, z_stride, eps, HEADS: tl.constexpr, D: tl.constexpr):
-    """Program (node t, head h): Qwen3.5's RMSNormGated of one head's output row, with its roundings."""
+    """Program (node t, head h): ``_gated_norm`` of one head's output row."""
     t = tl.program_id(0)
     h = tl.program_id(1)
-    d = tl.arange(0, D)
-    dtype = OUT.dtype.element_ty
-    x = tl.load(O + (t * HEADS + h) * D + d).to(dtype).to(tl.float32)
-    y = (x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)).to(dtype)
-    y = (tl.load(W + d).to(dtype) * y).to(tl.float32)
-    z = tl.load(Z + t * z_stride + h * D + d).to(tl.float32)
-    tl.store(OUT + (t * HEADS + h) * D + d, (y * z * tl.sigmoid(z)).to(dtype))
+    d = tl.arange(0, D)[None, :]  # one row
+    x = tl.load(O + (t * HEADS + h) * D + d)
+    z = tl.load(Z + t * z_stride + h * D + d)
+    tl.store(OUT + (t * HEADS + h) * D + d, _gated_norm(x, z, tl.load(W + d), eps, OUT.dtype.element_ty, D))
 
 
 def gated_norm(out: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,

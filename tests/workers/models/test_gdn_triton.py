@@ -70,6 +70,33 @@ def test_the_bfloat16_models_tf32_tree_kernel_stays_below_bfloat16_rounding(q):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q", [17, 300])
+def test_the_gated_norm_in_the_tree_kernels_epilogue_equals_the_norm_kernel_after_it(dtype, q):
+    """tree_outputs(norm=...) (the gated norm applied to each output row in the tree kernel) gives
+    gated_norm(tree_outputs(...)), with z's rows strided as the fused projection gives them: the same
+    operations, so equal but for the order of the row sums (an ulp of the model dtype at most)."""
+    from workers.models.deltanet import l2_normalize
+    from workers.models.gdn_triton import gated_norm, tree_outputs
+
+    g = torch.Generator().manual_seed(q)
+    hk, h, d = 4, 12, 128
+    parents = random_tree_parents(q, MAX_PATH - 1, g)
+    q_ = (l2_normalize(torch.randn(hk, q, d, generator=g)) * d**-0.5).cuda()
+    k_ = l2_normalize(torch.randn(hk, q, d, generator=g)).cuda()
+    kq = torch.stack((k_, q_), dim=1).repeat_interleave(h // hk, dim=0)
+    v_, state = torch.randn(h, q, d, generator=g).cuda(), (torch.randn(h, d, d, generator=g) * 0.3).cuda()
+    log_gate, beta = (-torch.rand(q, h, generator=g) * 2).cuda(), torch.rand(q, h, generator=g).cuda()
+    ancestors = ancestor_table(parents).cuda()
+    z = torch.randn(q, h * d + 40, generator=g).to(dtype).cuda()[:, 8 : 8 + h * d]
+    weight = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype).cuda()
+    plain = tree_outputs(kq, v_, log_gate, beta, state, ancestors, model_dtype=dtype)
+    fused = tree_outputs(kq, v_, log_gate, beta, state, ancestors, model_dtype=dtype, norm=(z, weight, 1e-6))
+    assert fused.dtype == dtype and fused.shape == (q, h * d)
+    want = gated_norm(plain, z, weight, 1e-6, dtype).float()
+    assert ((fused.float() - want).abs() <= torch.finfo(dtype).eps * want.abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prologue_kernel_equals_the_torch_conv_norms_and_gates(dtype):
     """The conv prologue reading the window and strided node inputs in place: the extended inputs
     exactly, q_/k_/v, beta and log_gate as the torch path computes them (softplus over a wide range)."""
