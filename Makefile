@@ -4,6 +4,8 @@
 #                 "The demo pair"), cached in models/demo
 #   make test   - the test suite (CPU; the README's test command)
 #   make test-fast - the unit tests without the real subprocess sweeps (a few minutes)
+#   make test-gpu - on a CUDA machine (TORCH=torch): the GPU-marked tests (each Triton kernel against its
+#                 torch form, graphs, splits) and the kernels' resource check for this and other GPUs
 #   make lint   - ruff: pyflakes, import order, line length (CI runs it before the tests)
 # TORCH picks the torch requirement: the default is the CPU build; on a CUDA machine use TORCH=torch.
 PYTHON ?= python3
@@ -11,7 +13,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test test-fast lint
+.PHONY: install demo test test-fast test-gpu lint
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +34,10 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not sweep"
+
+test-gpu: install
+	$(PY) -m pytest -q -m gpu tests/workers
+	$(PY) -m pytest -q tests/workers/models/test_kernel_resources.py
 
 lint: install
 	$(PY) -m ruff check workers orchestrator tests benchmarks
