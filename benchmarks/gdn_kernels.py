@@ -54,7 +54,7 @@ def main() -> int:
         g, beta = -torch.rand(q, h, device="cuda"), torch.rand(q, h, device="cuda")
         state = torch.randn(h, dk, dv, device="cuda") * 0.3
         whole = median_ms(graphed(lambda: tree_delta_rule_normalized(q_, k_, v_, g, beta, state, ancestors, True)))
-        kq = torch.stack((k_, q_), dim=1).repeat_interleave(h // hk, dim=0)  # the prologue's layout
+        kq = torch.stack((k_, q_), dim=1)  # the prologue's layout: [Hk, 2, q, dk]
         blocks = tree_blocks(ancestors)
         blocks_ms = median_ms(graphed(lambda: tree_blocks(ancestors)))
         runs = [(4, p) for p in precisions] + [(8, "tf32")]

@@ -96,7 +96,7 @@ def launches(shape: dict, q: int = 257) -> list[Launch]:
         gdn_triton.prologue(torch.zeros(taps - 1, channels, dtype=bf16), inputs, lag,
                             torch.zeros(channels, taps, dtype=bf16), None, hk, h, d,
                             torch.empty(taps - 1 + q, channels, dtype=bf16), gates)
-    kq, v_ = torch.zeros(h, 2, q, d), torch.zeros(h, q, d)
+    kq, v_ = torch.zeros(hk, 2, q, d), torch.zeros(h, q, d)
     g, beta, state = torch.zeros(q, h), torch.zeros(q, h, dtype=bf16), torch.zeros(h, d, d)
     for dtype, precision in ((bf16, "tf32"), (f32, "tf32x3")):  # as a bfloat16 / a float32 model runs them
         norm = (torch.zeros(q, h * d, dtype=dtype), torch.zeros(d, dtype=dtype), 1e-6)

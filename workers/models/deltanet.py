@@ -250,10 +250,10 @@ def tree_delta_rule_normalized(
     repeat = num_heads // key_heads  # grouped heads: each q/k head serves `repeat` value heads
     if use_triton is None:
         use_triton = v_.is_cuda and kernel_fits(dk, dv) and triton_available()
-    if use_triton:  # [H, 2, q, dk]: k_ then q_, per value head, as the conv prologue kernel writes them
+    if use_triton:  # [Hk, 2, q, dk]: k_ then q_, per key head, as the conv prologue kernel writes them
         from workers.models.gdn_triton import tree_outputs
 
-        kq = torch.stack((k_, q_), dim=1).repeat_interleave(repeat, dim=0)
+        kq = torch.stack((k_, q_), dim=1)
         return tree_outputs(kq, v_, log_gate, beta, state, ancestors)
     sentinel = torch.zeros(num_heads, 1, dtype=torch.float32, device=v_.device)
     G = torch.cat((log_gate.float().T, sentinel), dim=1)[:, ancestors].sum(-1)  # [H, q] path sums

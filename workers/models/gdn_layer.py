@@ -144,10 +144,9 @@ class GDNLayer:
             out = advance_state(kq[:, 0], kq[:, 1], v_, log_gate, beta, state)
         elif shape.ancestors is None or commit:  # a long chain (prompt chunks): the chunked form
             if hidden.dtype != torch.float32 and (fla_rule := fla_chunk_rule()) is not None:
-                out = _fla_chunked(fla_rule, kq, v_, log_gate, beta, state, key_heads, commit)
+                out = _fla_chunked(fla_rule, kq, v_, log_gate, beta, state, commit)
             else:  # float32 (exact to rounding against the CPU path) or fla-core not installed
-                out, new_state = chain_delta_rule_normalized(kq[:, 1], kq[:, 0], v_, log_gate, beta, state,
-                                                             repeated=True)
+                out, new_state = chain_delta_rule_normalized(kq[:, 1], kq[:, 0], v_, log_gate, beta, state)
                 if commit:
                     state.copy_(new_state)
         else:  # a tree: its gated norm in the tree kernel's epilogue
@@ -212,11 +211,11 @@ def fla_chunk_rule() -> Callable | None:
 
 
 def _fla_chunked(rule: Callable, kq: torch.Tensor, v_: torch.Tensor, log_gate: torch.Tensor, beta: torch.Tensor,
-                 state: torch.Tensor, key_heads: int, commit: bool) -> torch.Tensor:
-    """The chunked delta rule through ``rule`` (fla's layout: [1, q, heads, d], keys once per key head):
-    outputs [q, H, dv] float32; with ``commit`` the final state is written into ``state``."""
-    repeat = kq.shape[0] // key_heads  # the prologue wrote each key head once per value head it serves
-    query, key = (kq[::repeat, part].transpose(0, 1).unsqueeze(0) for part in (1, 0))  # [1, q, Hk, d]
+                 state: torch.Tensor, commit: bool) -> torch.Tensor:
+    """The chunked delta rule through ``rule`` (fla's layout: [1, q, heads, d], keys once per key head,
+    as the prologue writes them): outputs [q, H, dv] float32; with ``commit`` the final state is
+    written into ``state``."""
+    query, key = (kq[:, part].transpose(0, 1).unsqueeze(0) for part in (1, 0))  # [1, q, Hk, d]
     out, final = rule(query, key, v_.transpose(0, 1).unsqueeze(0), log_gate.unsqueeze(0), beta.unsqueeze(0),
                       scale=1.0, initial_state=state.unsqueeze(0), output_final_state=commit)
     if commit:

@@ -33,10 +33,11 @@ PRODUCT_STEP = 32  # the state products' step along dk
 @triton.jit
 def _tree_block_kernel(
     KQ, V, PROD, LOG_GATE, BETA, SLOTS, MASK, OUT, Z, NORM_W, nodes, z_stride, eps,
-    HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CONTEXT: tl.constexpr, BLOCK: tl.constexpr,
-    FACTORS: tl.constexpr, PRECISION: tl.constexpr, NORMED: tl.constexpr,
+    HEADS: tl.constexpr, REPEAT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CONTEXT: tl.constexpr,
+    BLOCK: tl.constexpr, FACTORS: tl.constexpr, PRECISION: tl.constexpr, NORMED: tl.constexpr,
 ):
-    """Program (block b, value head h). KQ [H, 2, q, DK] (k_, then q_), V [H, q, DV], PROD [H, 2q, DV]
+    """Program (block b, value head h). KQ [Hk, 2, q, DK] (k_, then q_; value head h reads key head
+    h // REPEAT), V [H, q, DV], PROD [H, 2q, DV]
     (k_ S0 rows, then q_ S0 rows), LOG_GATE / BETA [q, H], SLOTS [n, S] (S = CONTEXT + BLOCK; the
     block's nodes in the last BLOCK slots), MASK [n, S, S] ancestor-or-self, from ``tree_blocks``.
     OUT [q, H, DV] float32; or, NORMED, [q, H*DV] in OUT's dtype after the gated norm of each row
@@ -56,7 +57,7 @@ def _tree_block_kernel(
     node_row = tl.where(is_node, node, 0)
     on_path = tl.load(MASK + b * S * S + i[:, None] * S + i[None, :]) != 0  # [S, S] column on row's path
     node_path = tl.load(MASK + b * S * S + j[:, None] * S + i[None, :]) != 0  # [BLOCK, S]
-    kq = KQ + h * 2 * nodes * DK
+    kq = KQ + (h // REPEAT) * 2 * nodes * DK
     keys = tl.load(kq + row[:, None] * DK + d[None, :], mask=valid[:, None], other=0.0)  # [S, DK]
     queries = tl.load(kq + (nodes + node_row[:, None]) * DK + d[None, :], mask=is_node[:, None], other=0.0)
     gram = tl.dot(keys, tl.trans(keys), input_precision=PRECISION)  # [S, S]
@@ -92,15 +93,16 @@ def _tree_block_kernel(
 
 
 @triton.jit
-def _state_products_kernel(X, S, OUT, rows, DK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr,
-                           BK: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (value head h, block of rows): OUT[h, rows] = X[h, rows] @ S[h], X [H, R, DK], S [H, DK, DV].
+def _state_products_kernel(X, S, OUT, rows, REPEAT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                           BLOCK: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (value head h, block of rows): OUT[h, rows] = X[h // REPEAT, rows] @ S[h], X [Hk, R, DK],
+    S [H, DK, DV]: the value heads of one key head read its rows (adjacent programs: from L2).
 
     Over DK in steps of BK, with block pointers: whole [BLOCK, DK] and [DK, DV] float32 tiles would need
     128 KB of shared memory at DK = DV = 128, more than an RTX A6000 gives a block (99 KB)."""
     h = tl.program_id(0)
     start = tl.program_id(1) * BLOCK
-    x = tl.make_block_ptr(X + h * rows * DK, (rows, DK), (DK, 1), (start, 0), (BLOCK, BK), (1, 0))
+    x = tl.make_block_ptr(X + (h // REPEAT) * rows * DK, (rows, DK), (DK, 1), (start, 0), (BLOCK, BK), (1, 0))
     state = tl.make_block_ptr(S + h * DK * DV, (DK, DV), (DV, 1), (0, 0), (BK, DV), (1, 0))
     acc = tl.zeros((BLOCK, DV), dtype=tl.float32)
     for _ in range(0, DK, BK):
@@ -113,7 +115,7 @@ def _state_products_kernel(X, S, OUT, rows, DK: tl.constexpr, DV: tl.constexpr, 
 
 
 def tree_outputs(
-    kq: torch.Tensor,  # [H, 2, q, dk] float32: k_, then q_ (scaled by dk^-1/2), each key head repeated per value head
+    kq: torch.Tensor,  # [Hk, 2, q, dk] float32: k_, then q_ (scaled by dk^-1/2), per key head
     v_: torch.Tensor,  # [H, q, dv] float32
     log_gate: torch.Tensor,  # [q, H] float32 per-node log decay g
     beta: torch.Tensor,  # [q, H]
@@ -136,8 +138,8 @@ def tree_outputs(
     """
     from workers.models.deltanet import TREE_BLOCK, tree_blocks
 
-    heads, _, nodes, dk = kq.shape
-    dv = v_.shape[-1]
+    key_heads, _, nodes, dk = kq.shape
+    heads, dv = v_.shape[0], v_.shape[-1]
     kq = kq.contiguous()
     slots, mask = blocks if blocks is not None else tree_blocks(ancestors)
     precision = precision or ("tf32" if model_dtype == torch.bfloat16 else "tf32x3")
@@ -145,7 +147,8 @@ def tree_outputs(
     products = torch.empty(heads, 2 * nodes, dv, dtype=torch.float32, device=v_.device)
     rows = min(128, max(16, triton.next_power_of_2(2 * nodes)))
     _state_products_kernel[(heads, triton.cdiv(2 * nodes, rows))](
-        kq, state, products, 2 * nodes, DK=dk, DV=dv, BLOCK=rows, BK=min(dk, PRODUCT_STEP), PRECISION=precision,
+        kq, state, products, 2 * nodes, REPEAT=heads // key_heads, DK=dk, DV=dv, BLOCK=rows,
+        BK=min(dk, PRODUCT_STEP), PRECISION=precision,
         num_warps=8 if rows == 128 else 4, num_stages=2,
     )
     if norm is None:
@@ -158,7 +161,8 @@ def tree_outputs(
     _tree_block_kernel[(slots.shape[0], heads)](
         kq, v_.contiguous(), products, log_gate.float().contiguous(), beta.contiguous(), slots, mask.view(torch.uint8),
         out, z, weight, nodes, z.stride(0), eps,
-        HEADS=heads, DK=dk, DV=dv, CONTEXT=slots.shape[1] - TREE_BLOCK, BLOCK=TREE_BLOCK,
+        HEADS=heads, REPEAT=heads // key_heads, DK=dk, DV=dv, CONTEXT=slots.shape[1] - TREE_BLOCK,
+        BLOCK=TREE_BLOCK,
         FACTORS=max(1, (ancestors.shape[1] - 1).bit_length()), PRECISION=precision, NORMED=norm is not None,
         num_warps=num_warps or TREE_WARPS,
     )
@@ -168,7 +172,7 @@ def tree_outputs(
 class PrologueOutputs(NamedTuple):
     """What ``prologue`` writes (beta and log_gate None unless the gates were asked for)."""
 
-    kq: torch.Tensor  # [H, 2, q, D] float32: k_ at [:, 0], q_ (scaled by D^-1/2) at [:, 1], per value head
+    kq: torch.Tensor  # [Hk, 2, q, D] float32: k_ at [:, 0], q_ (scaled by D^-1/2) at [:, 1], per key head
     v: torch.Tensor  # [H, q, D] float32
     beta: torch.Tensor | None  # [q, H] in b's dtype
     log_gate: torch.Tensor | None  # [q, H] float32
@@ -178,11 +182,11 @@ class PrologueOutputs(NamedTuple):
 def _prologue_kernel(
     WIN, INP, EXT, LAG, W, BIAS, KQ, V, B, A, A_LOG, DT_BIAS, BETA, LOG_GATE,
     nodes, channels, inp_stride, b_stride, a_stride,
-    KEY_HEADS: tl.constexpr, HEADS: tl.constexpr, REPEAT: tl.constexpr, D: tl.constexpr, TAPS: tl.constexpr,
+    KEY_HEADS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, TAPS: tl.constexpr,
     WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, HAS_EXT: tl.constexpr, HAS_GATES: tl.constexpr,
 ):
     """Program (node t, head segment s): the conv over t's ancestry + SiLU of one head's channels, then
-    (q, k heads) the l2 norm, stored for each value head the key head serves; (v heads) the gates of
+    (q, k heads) the l2 norm, stored once per key head; (v heads) the gates of
     value head s - 2 Hk at node t. Rows of the extended input below TAPS - 1 are the window's, the
     rest the node inputs' (WINDOW = TAPS - 1)."""
     t = tl.program_id(0)
@@ -214,8 +218,7 @@ def _prologue_kernel(
         part = tl.where(is_query, 1, 0)  # KQ's k_ rows at 0, q_ rows at 1
         hk = tl.where(is_query, s, s - KEY_HEADS)
         x = tl.where(is_query, x * SCALE, x)
-        for r in tl.static_range(REPEAT):
-            tl.store(KQ + (((hk * REPEAT + r) * 2 + part) * nodes + t) * D + d, x)
+        tl.store(KQ + ((hk * 2 + part) * nodes + t) * D + d, x)
     else:
         h = s - 2 * KEY_HEADS
         tl.store(V + (h * nodes + t) * D + d, x)
@@ -246,7 +249,7 @@ def prologue(
     nodes, taps = lag_index.shape
     channels = inputs.shape[1]
     device = inputs.device
-    kq = torch.empty(heads, 2, nodes, head_dim, dtype=torch.float32, device=device)
+    kq = torch.empty(key_heads, 2, nodes, head_dim, dtype=torch.float32, device=device)
     v = torch.empty(heads, nodes, head_dim, dtype=torch.float32, device=device)
     beta = log_gate = None
     b = a = a_log = dt_bias = weight  # placeholders the kernel does not read without gates
@@ -259,7 +262,7 @@ def prologue(
         bias if bias is not None else weight, kq, v, b, a, a_log, dt_bias,
         beta if beta is not None else v, log_gate if log_gate is not None else v,
         nodes, channels, inputs.stride(0), b.stride(0), a.stride(0),
-        KEY_HEADS=key_heads, HEADS=heads, REPEAT=heads // key_heads, D=head_dim, TAPS=taps, WINDOW=taps - 1,
+        KEY_HEADS=key_heads, HEADS=heads, D=head_dim, TAPS=taps, WINDOW=taps - 1,
         HAS_BIAS=bias is not None, SCALE=head_dim**-0.5, HAS_EXT=extended is not None, HAS_GATES=gates is not None,
         num_warps=1,
     )

@@ -64,7 +64,7 @@ def test_the_bfloat16_models_tf32_tree_kernel_stays_below_bfloat16_rounding(q):
     log_gate, beta = (-torch.rand(q, h, generator=g) * 2).cuda(), torch.rand(q, h, generator=g).cuda()
     ancestors = ancestor_table(parents).cuda()
     want = tree_delta_rule_normalized(q_, k_, v_, log_gate, beta, state, ancestors, use_triton=False)
-    kq = torch.stack((k_, q_), dim=1).repeat_interleave(h // hk, dim=0)
+    kq = torch.stack((k_, q_), dim=1)  # [Hk, 2, q, d], the prologue's layout
     got = tree_outputs(kq, v_, log_gate, beta, state, ancestors, model_dtype=torch.bfloat16)
     assert ((got - want).norm() / want.norm()).item() < 5e-3
 
@@ -83,7 +83,7 @@ def test_the_gated_norm_in_the_tree_kernels_epilogue_equals_the_norm_kernel_afte
     parents = random_tree_parents(q, MAX_PATH - 1, g)
     q_ = (l2_normalize(torch.randn(hk, q, d, generator=g)) * d**-0.5).cuda()
     k_ = l2_normalize(torch.randn(hk, q, d, generator=g)).cuda()
-    kq = torch.stack((k_, q_), dim=1).repeat_interleave(h // hk, dim=0)
+    kq = torch.stack((k_, q_), dim=1)
     v_, state = torch.randn(h, q, d, generator=g).cuda(), (torch.randn(h, d, d, generator=g) * 0.3).cuda()
     log_gate, beta = (-torch.rand(q, h, generator=g) * 2).cuda(), torch.rand(q, h, generator=g).cuda()
     ancestors = ancestor_table(parents).cuda()
@@ -120,11 +120,11 @@ def test_prologue_kernel_equals_the_torch_conv_norms_and_gates(dtype):
 
     conv, want_extended = tree_conv(inputs, window, weight, bias, lag_index)
     query, key, value = conv.to(dtype).float().split([hk * d, hk * d, h * d], dim=-1)
-    repeat = h // hk
-    want_q = (l2_normalize(query.view(q, hk, d)) * d**-0.5).repeat_interleave(repeat, dim=1).transpose(0, 1)
-    want_k = l2_normalize(key.view(q, hk, d)).repeat_interleave(repeat, dim=1).transpose(0, 1)
+    want_q = (l2_normalize(query.view(q, hk, d)) * d**-0.5).transpose(0, 1)  # once per key head
+    want_k = l2_normalize(key.view(q, hk, d)).transpose(0, 1)
     want_log_gate = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
     assert torch.equal(extended, want_extended)
+    assert got.kq.shape == (hk, 2, q, d)
     tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(got.kq[:, 1], want_q, **tolerance)
     torch.testing.assert_close(got.kq[:, 0], want_k, **tolerance)
@@ -266,16 +266,16 @@ def test_fla_chunked_rule_equals_the_torch_chunked_form():
         pytest.skip("fla-core is not installed")
     generator = torch.Generator().manual_seed(11)
     q, key_heads, heads, d = 300, 16, 48, 128
-    keys = l2_normalize(torch.randn(key_heads, q, d, generator=generator)).repeat_interleave(3, 0)
-    queries = l2_normalize(torch.randn(key_heads, q, d, generator=generator)).repeat_interleave(3, 0) * d**-0.5
-    kq = torch.stack((keys, queries), dim=1).cuda()  # [H, 2, q, d] as the prologue writes it
+    keys = l2_normalize(torch.randn(key_heads, q, d, generator=generator))
+    queries = l2_normalize(torch.randn(key_heads, q, d, generator=generator)) * d**-0.5
+    kq = torch.stack((keys, queries), dim=1).cuda()  # [Hk, 2, q, d] as the prologue writes it
     v_ = torch.randn(heads, q, d, generator=generator).cuda()
     log_gate = (-torch.rand(q, heads, generator=generator) * 0.5).cuda()
     beta = torch.rand(q, heads, generator=generator).to(torch.bfloat16).cuda()
     state0 = (torch.randn(heads, d, d, generator=generator) * 0.3).cuda()
-    want, want_state = chain_delta_rule_normalized(kq[:, 1], kq[:, 0], v_, log_gate, beta, state0, repeated=True)
+    want, want_state = chain_delta_rule_normalized(kq[:, 1], kq[:, 0], v_, log_gate, beta, state0)
     state = state0.clone()
-    got = _fla_chunked(rule, kq, v_, log_gate, beta, state, key_heads, commit=True)
+    got = _fla_chunked(rule, kq, v_, log_gate, beta, state, commit=True)
     assert got.shape == want.shape
     assert ((got - want).norm() / want.norm()).item() < 2e-3
     assert ((state - want_state).norm() / want_state.norm()).item() < 2e-3
