@@ -434,7 +434,7 @@ def compile_commit_lengths(key_heads: int, heads: int, head_dim: int, taps: int,
         gates = torch.zeros(count, heads, dtype=torch.float32, device=device)
         beta = torch.zeros(count, heads, dtype=dtype, device=device)
         commit_path(extended, torch.arange(count, device=device), weight, bias, gates, beta, state, window, key_heads)
-    kq = torch.zeros(heads, 2, 1, head_dim, dtype=torch.float32, device=device)  # as the prologue writes it
+    kq = torch.zeros(key_heads, 2, 1, head_dim, dtype=torch.float32, device=device)  # as the prologue writes it
     advance_state(kq[:, 0], kq[:, 1], torch.zeros(heads, 1, head_dim, device=device),
                   torch.zeros(1, heads, device=device), torch.zeros(1, heads, dtype=dtype, device=device), state)
     _COMPILED_COMMITS.add(key)
