@@ -28,6 +28,7 @@ import triton.language as tl
 
 TREE_WARPS = 4
 PRODUCT_STEP = 32  # the state products' step along dk
+PROLOGUE_NODES = 4  # nodes per program of the conv prologue (one warp)
 
 
 @triton.jit
@@ -182,55 +183,58 @@ class PrologueOutputs(NamedTuple):
 def _prologue_kernel(
     WIN, INP, EXT, LAG, W, BIAS, KQ, V, B, A, A_LOG, DT_BIAS, BETA, LOG_GATE,
     nodes, channels, inp_stride, b_stride, a_stride,
-    KEY_HEADS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, TAPS: tl.constexpr,
+    KEY_HEADS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, TAPS: tl.constexpr, NODES: tl.constexpr,
     WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, HAS_EXT: tl.constexpr, HAS_GATES: tl.constexpr,
 ):
-    """Program (node t, head segment s): the conv over t's ancestry + SiLU of one head's channels, then
-    (q, k heads) the l2 norm, stored once per key head; (v heads) the gates of
-    value head s - 2 Hk at node t. Rows of the extended input below TAPS - 1 are the window's, the
-    rest the node inputs' (WINDOW = TAPS - 1)."""
-    t = tl.program_id(0)
+    """Program (NODES nodes t, head segment s): the conv over each node's ancestry + SiLU of one head's
+    channels, then (q, k heads) the l2 norm, stored once per key head; (v heads) the gates of value
+    head s - 2 Hk. Rows of the extended input below TAPS - 1 are the window's, the rest the node
+    inputs' (WINDOW = TAPS - 1)."""
+    block = tl.program_id(0)
     s = tl.program_id(1)
+    t = block * NODES + tl.arange(0, NODES)  # [NODES]
+    real = t < nodes
     d = tl.arange(0, D)
     c = s * D + d  # q heads, then k heads, then v heads: the conv channels in order
-    acc = tl.zeros((D,), dtype=tl.float32)
+    acc = tl.zeros((NODES, D), dtype=tl.float32)
     for lag in tl.static_range(TAPS):  # tap `lag` reads the input `lag` steps back with weight[:, K-1-lag]
-        row = tl.load(LAG + t * TAPS + lag)
+        row = tl.load(LAG + t * TAPS + lag, mask=real, other=0)  # [NODES]
         in_window = row < WINDOW
-        x = tl.where(in_window,
-                     tl.load(WIN + row * channels + c, mask=in_window & (d < D), other=0.0),
-                     tl.load(INP + (row - WINDOW) * inp_stride + c, mask=(row >= WINDOW) & (d < D), other=0.0))
+        x = tl.where(in_window[:, None],
+                     tl.load(WIN + row[:, None] * channels + c[None, :], mask=(real & in_window)[:, None], other=0.0),
+                     tl.load(INP + (row - WINDOW)[:, None] * inp_stride + c[None, :],
+                             mask=(real & (row >= WINDOW))[:, None], other=0.0))
         if HAS_EXT:
             if lag == 0:  # row window + t: the node's own input
-                tl.store(EXT + row * channels + c, x)
-        acc += x.to(tl.float32) * tl.load(W + c * TAPS + (TAPS - 1 - lag)).to(tl.float32)
+                tl.store(EXT + row[:, None] * channels + c[None, :], x, mask=real[:, None])
+        acc += x.to(tl.float32) * tl.load(W + c * TAPS + (TAPS - 1 - lag)).to(tl.float32)[None, :]
     if HAS_EXT:
-        if t == 0:  # the committed window heads the extended rows
+        if block == 0:  # the committed window heads the extended rows
             for i in tl.static_range(WINDOW):
                 tl.store(EXT + i * channels + c, tl.load(WIN + i * channels + c))
     if HAS_BIAS:
-        acc += tl.load(BIAS + c).to(tl.float32)
+        acc += tl.load(BIAS + c).to(tl.float32)[None, :]
     x = acc * tl.sigmoid(acc)
     x = x.to(WIN.dtype.element_ty).to(tl.float32)  # the torch path rounds the conv output to the model dtype
     if s < 2 * KEY_HEADS:
-        x = x * tl.rsqrt(tl.sum(x * x, axis=0) + 1e-6)
+        x = x * tl.rsqrt(tl.sum(x * x, axis=1, keep_dims=True) + 1e-6)
         is_query = s < KEY_HEADS
         part = tl.where(is_query, 1, 0)  # KQ's k_ rows at 0, q_ rows at 1
         hk = tl.where(is_query, s, s - KEY_HEADS)
         x = tl.where(is_query, x * SCALE, x)
-        tl.store(KQ + ((hk * 2 + part) * nodes + t) * D + d, x)
+        tl.store(KQ + ((hk * 2 + part) * nodes + t[:, None]) * D + d[None, :], x, mask=real[:, None])
     else:
         h = s - 2 * KEY_HEADS
-        tl.store(V + (h * nodes + t) * D + d, x)
+        tl.store(V + (h * nodes + t[:, None]) * D + d[None, :], x, mask=real[:, None])
         if HAS_GATES:
-            b = tl.load(B + t * b_stride + h).to(tl.float32)
-            tl.store(BETA + t * HEADS + h, tl.sigmoid(b).to(BETA.dtype.element_ty))
+            b = tl.load(B + t * b_stride + h, mask=real, other=0.0).to(tl.float32)
+            tl.store(BETA + t * HEADS + h, tl.sigmoid(b).to(BETA.dtype.element_ty), mask=real)
             # softplus as torch's (threshold 20), log1p(e) = log(u) e / (u - 1) with u = 1 + e
-            z = tl.load(A + t * a_stride + h).to(tl.float32) + tl.load(DT_BIAS + h).to(tl.float32)
+            z = tl.load(A + t * a_stride + h, mask=real, other=0.0).to(tl.float32) + tl.load(DT_BIAS + h).to(tl.float32)
             e = tl.exp(z)
             u = 1.0 + e
             softplus = tl.where(z > 20.0, z, tl.where(u == 1.0, e, tl.log(u) * e / (u - 1.0)))
-            tl.store(LOG_GATE + t * HEADS + h, -tl.exp(tl.load(A_LOG + h).to(tl.float32)) * softplus)
+            tl.store(LOG_GATE + t * HEADS + h, -tl.exp(tl.load(A_LOG + h).to(tl.float32)) * softplus, mask=real)
 
 
 def prologue(
@@ -257,12 +261,12 @@ def prologue(
         b, a, a_log, dt_bias = (x if x.stride(-1) == 1 else x.contiguous() for x in gates)
         beta = torch.empty(nodes, heads, dtype=b.dtype, device=device)
         log_gate = torch.empty(nodes, heads, dtype=torch.float32, device=device)
-    _prologue_kernel[(nodes, 2 * key_heads + heads)](
+    _prologue_kernel[(triton.cdiv(nodes, PROLOGUE_NODES), 2 * key_heads + heads)](
         window, inputs, extended if extended is not None else window, lag_index, weight.contiguous(),
         bias if bias is not None else weight, kq, v, b, a, a_log, dt_bias,
         beta if beta is not None else v, log_gate if log_gate is not None else v,
         nodes, channels, inputs.stride(0), b.stride(0), a.stride(0),
-        KEY_HEADS=key_heads, HEADS=heads, D=head_dim, TAPS=taps, WINDOW=taps - 1,
+        KEY_HEADS=key_heads, HEADS=heads, D=head_dim, TAPS=taps, NODES=PROLOGUE_NODES, WINDOW=taps - 1,
         HAS_BIAS=bias is not None, SCALE=head_dim**-0.5, HAS_EXT=extended is not None, HAS_GATES=gates is not None,
         num_warps=1,
     )
