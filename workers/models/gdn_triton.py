@@ -29,6 +29,7 @@ import triton.language as tl
 TREE_WARPS = 4
 PRODUCT_STEP = 32  # the state products' step along dk
 PROLOGUE_NODES = 4  # nodes per program of the conv prologue (one warp)
+NORM_HEADS = 16  # heads per program of the gated norm
 
 
 @triton.jit
@@ -285,14 +286,16 @@ def _gated_norm(x, z, weight, eps, dtype: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _gated_norm_kernel(O, Z, W, OUT, z_stride, eps, HEADS: tl.constexpr, D: tl.constexpr):
-    """Program (node t, head h): ``_gated_norm`` of one head's output row."""
+def _gated_norm_kernel(O, Z, W, OUT, heads, z_stride, eps, D: tl.constexpr, BH: tl.constexpr):
+    """Program (node t, block of BH heads): ``_gated_norm`` of those heads' output rows."""
     t = tl.program_id(0)
-    h = tl.program_id(1)
-    d = tl.arange(0, D)[None, :]  # one row
-    x = tl.load(O + (t * HEADS + h) * D + d)
-    z = tl.load(Z + t * z_stride + h * D + d)
-    tl.store(OUT + (t * HEADS + h) * D + d, _gated_norm(x, z, tl.load(W + d), eps, OUT.dtype.element_ty, D))
+    h = tl.program_id(1) * BH + tl.arange(0, BH)[:, None]  # [BH, 1]
+    d = tl.arange(0, D)[None, :]
+    inside = h < heads
+    x = tl.load(O + (t * heads + h) * D + d, mask=inside, other=0.0)
+    z = tl.load(Z + t * z_stride + h * D + d, mask=inside, other=0.0)
+    tl.store(OUT + (t * heads + h) * D + d, _gated_norm(x, z, tl.load(W + d), eps, OUT.dtype.element_ty, D),
+             mask=inside)
 
 
 def gated_norm(out: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -300,7 +303,9 @@ def gated_norm(out: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: fl
     """out [q, H, D] float32, z [q, H*D] (rows may be strided) -> [q, H*D] in ``dtype``."""
     nodes, heads, head_dim = out.shape
     result = torch.empty(nodes, heads * head_dim, dtype=dtype, device=out.device)
-    _gated_norm_kernel[(nodes, heads)](out, z, weight, result, z.stride(0), eps, HEADS=heads, D=head_dim, num_warps=1)
+    block = min(NORM_HEADS, triton.next_power_of_2(heads))
+    _gated_norm_kernel[(nodes, triton.cdiv(heads, block))](out, z, weight, result, heads, z.stride(0), eps,
+                                                            D=head_dim, BH=block, num_warps=4)
     return result
 
 
