@@ -158,7 +158,7 @@ class GDNLayer:
         else:
             pending = PendingLayer(extended, shape.lag_index, log_gate, beta)
         if normed is None:
-            normed = gated_norm(out.contiguous(), z, mixer.norm.weight, mixer.norm.variance_epsilon, hidden.dtype)
+            normed = gated_norm(out, z, mixer.norm.weight, mixer.norm.variance_epsilon, hidden.dtype)
         if residual is None:
             return self._reduced(mixer.out_proj(normed).unsqueeze(0)), pending
         # the residual sum in out_proj's epilogue (sharded: added after the reduce)

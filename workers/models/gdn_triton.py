@@ -301,6 +301,7 @@ def _gated_norm_kernel(O, Z, W, OUT, heads, z_stride, eps, D: tl.constexpr, BH: 
 def gated_norm(out: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
                dtype: torch.dtype) -> torch.Tensor:
     """out [q, H, D] float32, z [q, H*D] (rows may be strided) -> [q, H*D] in ``dtype``."""
+    out = out.contiguous()
     nodes, heads, head_dim = out.shape
     result = torch.empty(nodes, heads * head_dim, dtype=dtype, device=out.device)
     block = min(NORM_HEADS, triton.next_power_of_2(heads))

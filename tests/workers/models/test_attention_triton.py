@@ -18,11 +18,12 @@ pytestmark = [
 ]
 
 
-def pass_inputs(heads: int, groups: int, q: int, capacity: int, length: int, dim: int, dtype, seed: int):
+def pass_inputs(heads: int, groups: int, q: int, capacity: int, length: int, dim: int, dtype, seed: int,
+                device: str = "cuda"):
     """(query [Hkv, g*q, D], key, value [Hkv, C, D] with NaN after the pass's keys, mask [g*q, C], slots)."""
     g = torch.Generator().manual_seed(seed)
-    query = torch.randn(heads, groups * q, dim, generator=g).to(dtype).cuda()
-    key, value = (torch.randn(heads, capacity, dim, generator=g).to(dtype).cuda() for _ in range(2))
+    query = torch.randn(heads, groups * q, dim, generator=g).to(dtype).to(device)
+    key, value = (torch.randn(heads, capacity, dim, generator=g).to(dtype).to(device) for _ in range(2))
     key[:, length + q :], value[:, length + q :] = float("nan"), float("nan")
     visible = (torch.rand(q, q, generator=g) < 0.3).tril() | torch.eye(q, dtype=torch.bool)
     columns = torch.arange(capacity)
@@ -30,7 +31,7 @@ def pass_inputs(heads: int, groups: int, q: int, capacity: int, length: int, dim
     block = visible[:, relative.clamp(0, q - 1)] & (relative >= 0) & (relative < q)
     allowed = (columns < length) | block
     mask = torch.full((q, capacity), torch.finfo(dtype).min, dtype=dtype).masked_fill_(allowed, 0.0)
-    return query, key, value, mask.repeat(groups, 1).cuda(), (length + torch.arange(q)).cuda()
+    return query, key, value, mask.repeat(groups, 1).to(device), (length + torch.arange(q)).to(device)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
