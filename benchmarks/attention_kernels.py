@@ -18,9 +18,9 @@ import torch
 from forward_anatomy import graphed
 from gpu_speed import copy_bandwidth, median_ms
 
-from tests.workers.models.test_attention_triton import pass_inputs
 from workers.models import attention_triton
 from workers.models.attention import attend_folded
+from workers.models.kernel_inputs import attention_pass_inputs
 from workers.models.shapes import TARGETS
 
 TILES = [(64, 64, 8, 2), (64, 32, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2), (128, 64, 8, 2), (64, 64, 8, 3)]
@@ -57,7 +57,7 @@ def main() -> int:
         f"{'x'.join(map(str, t)):>12}" for t in TILES)
     print(header + "   (us per call; kernel tiles: rows x keys x warps x stages; error vs SDPA)")
     for q in (int(x) for x in args.qs.split(",")):
-        query, key, value, mask, slots = pass_inputs(kv_heads, groups, q, args.capacity, args.length, dim,
+        query, key, value, mask, slots = attention_pass_inputs(kv_heads, groups, q, args.capacity, args.length, dim,
                                                      getattr(torch, args.dtype), q)
         key, value = torch.nan_to_num(key), torch.nan_to_num(value)  # SDPA over all slots reads them
         end = args.length + q

@@ -16,13 +16,12 @@ import os
 
 import torch
 
-from tests.workers.models.test_attention_triton import pass_inputs
-from tests.workers.models.test_gdn_triton import random_tree_parents
 from workers.models import attention_triton
 from workers.models.attention import attend_folded
 from workers.models.deltanet import TreeShape, ancestor_table, l2_normalize, tree_delta_rule
 from workers.models.gdn_layer import gdn_layer_for
 from workers.models.gdn_triton import gated_norm, tree_outputs
+from workers.models.kernel_inputs import attention_pass_inputs, random_tree_parents
 from workers.models.shapes import build_random_target
 
 
@@ -55,8 +54,8 @@ def attention_checks(lines: list[str]) -> None:
     """attend_until (keys up to the last slot, the mask over the pass's own keys) against SDPA."""
     for heads, groups, q, capacity, length, dim in [(2, 3, 30, 200, 100, 32), (1, 4, 129, 1300, 1024, 32),
                                                     (2, 1, 257, 700, 0, 16)]:
-        query, key, value, mask, slots = pass_inputs(heads, groups, q, capacity, length, dim, torch.float16, q,
-                                                         "cpu")
+        query, key, value, mask, slots = attention_pass_inputs(heads, groups, q, capacity, length, dim,
+                                                               torch.float16, q, "cpu")
         end = length + q
         want = attend_folded(query.float(), key[:, :end].float(), value[:, :end].float(), mask[:, :end].float(),
                              dim**-0.5)

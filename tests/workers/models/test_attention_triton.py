@@ -11,27 +11,12 @@ import pytest
 import torch
 
 from workers.models.attention import attend_folded
+from workers.models.kernel_inputs import attention_pass_inputs as pass_inputs
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-
-
-def pass_inputs(heads: int, groups: int, q: int, capacity: int, length: int, dim: int, dtype, seed: int,
-                device: str = "cuda"):
-    """(query [Hkv, g*q, D], key, value [Hkv, C, D] with NaN after the pass's keys, mask [g*q, C], slots)."""
-    g = torch.Generator().manual_seed(seed)
-    query = torch.randn(heads, groups * q, dim, generator=g).to(dtype).to(device)
-    key, value = (torch.randn(heads, capacity, dim, generator=g).to(dtype).to(device) for _ in range(2))
-    key[:, length + q :], value[:, length + q :] = float("nan"), float("nan")
-    visible = (torch.rand(q, q, generator=g) < 0.3).tril() | torch.eye(q, dtype=torch.bool)
-    columns = torch.arange(capacity)
-    relative = columns - length
-    block = visible[:, relative.clamp(0, q - 1)] & (relative >= 0) & (relative < q)
-    allowed = (columns < length) | block
-    mask = torch.full((q, capacity), torch.finfo(dtype).min, dtype=dtype).masked_fill_(allowed, 0.0)
-    return query, key, value, mask.repeat(groups, 1).to(device), (length + torch.arange(q)).to(device)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

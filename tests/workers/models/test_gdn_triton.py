@@ -13,21 +13,12 @@ import pytest
 import torch
 
 from workers.models.deltanet import MAX_PATH, ancestor_table, tree_delta_rule
+from workers.models.kernel_inputs import random_tree_parents
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-
-
-def random_tree_parents(q: int, depth: int, generator: torch.Generator) -> torch.Tensor:
-    parents, depths = [-1], [0]
-    for t in range(1, q):
-        choices = [j for j in range(t) if depths[j] < depth]
-        parent = choices[int(torch.randint(0, len(choices), (1,), generator=generator))]
-        parents.append(parent)
-        depths.append(depths[parent] + 1)
-    return torch.tensor(parents)
 
 
 @pytest.mark.parametrize("q, depth, dk, dv", [(1, 1, 16, 16), (17, 15, 128, 128), (257, 15, 128, 128),
