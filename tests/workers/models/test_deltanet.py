@@ -24,6 +24,7 @@ from workers.models.deltanet import (
     tree_delta_rule,
     window_after,
 )
+from workers.models.kernel_inputs import random_tree_parents
 
 qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 
@@ -51,17 +52,6 @@ def visibility(parents: torch.Tensor) -> torch.Tensor:
     return visible
 
 
-def random_parents_of_depth(q: int, depth: int, generator: torch.Generator) -> torch.Tensor:
-    """A random tree with every node at depth <= ``depth`` (parents precede children)."""
-    parents, depths = [-1], [0]
-    for t in range(1, q):
-        choices = [j for j in range(t) if depths[j] < depth]
-        parent = choices[int(torch.randint(0, len(choices), (1,), generator=generator))]
-        parents.append(parent)
-        depths.append(depths[parent] + 1)
-    return torch.tensor(parents)
-
-
 def random_inputs(q: int, generator: torch.Generator, hk: int = 2, h: int = 4, dk: int = 8, dv: int = 6):
     query, key = torch.randn(q, hk, dk, generator=generator), torch.randn(q, hk, dk, generator=generator)
     value = torch.randn(q, h, dv, generator=generator)
@@ -87,7 +77,7 @@ def test_tree_delta_rule_matches_sequential_per_path(seed: int, chain: bool) -> 
     g = torch.Generator().manual_seed(seed)
     q = min(1 + 3 * seed + 4, MAX_PATH) if chain else (1, 5, 12, 33, 65, 40, 9, 64)[seed]
     depth = (1, 2, 4, 7, 15, 15, 3, 6)[seed]
-    parents = random_parents(q, g, chain) if chain else random_parents_of_depth(q, depth, g)
+    parents = random_parents(q, g, chain) if chain else random_tree_parents(q, depth, g)
     inputs = random_inputs(q, g)
     out = tree_delta_rule(*inputs, ancestor_table(parents))
     for node in range(q):
@@ -152,7 +142,7 @@ def test_tree_blocks_hold_every_path_of_their_nodes(q: int, depth: int, seed: in
     """The CUDA tree kernel's blocks: the preorder is the stack walk's; each block's slots hold every
     ancestor of each of its nodes, once; the mask is the ancestor-or-self relation of the slots."""
     g = torch.Generator().manual_seed(seed)
-    parents = torch.arange(-1, q - 1) if depth == q - 1 else random_parents_of_depth(q, depth, g)
+    parents = torch.arange(-1, q - 1) if depth == q - 1 else random_tree_parents(q, depth, g)
     ancestors = ancestor_table(parents)
     assert preorder(ancestors).tolist() == depth_first(parents)
     slots, mask = tree_blocks(ancestors, block=16)
