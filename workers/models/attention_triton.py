@@ -12,8 +12,8 @@ P V product, as SDPA's fused kernels do) over folded rows: query [Hkv, R, D], on
 of rows, K/V head and split of the keys; with few row blocks the keys are split and the partial
 results merged by their log-sum-exps. K, V, the mask and the query are read through block pointers:
 per-element pointer tensors for a [64, 256] tile would hold 128 registers a thread and spill
-(``benchmarks/kernel_resources.py`` prints each kernel's registers and spills per architecture). Tested against SDPA in
-``tests/workers/models/test_attention_triton.py`` (GPU-marked).
+(``benchmarks/kernel_resources.py`` prints each kernel's registers and spills per architecture).
+Tested against SDPA in ``tests/workers/models/test_attention_triton.py`` (GPU-marked).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ WARPS, STAGES = 8, 2  # the tiles' launch options (``benchmarks/attention_kernel
 
 
 @triton.jit
-def _step(query, keys, values, masks, best, total, acc, start, hi, scale, BN: tl.constexpr, MASKED: tl.constexpr):
+def _step(query, keys, values, masks, best, total, acc, start, hi, scale,
+          BN: tl.constexpr, MASKED: tl.constexpr):
     """One tile of BN keys into the online softmax (best, total, acc); MASKED: add the mask's tile and
     drop keys from hi on (else every key of the tile is visible to every row)."""
     key = tl.load(keys, boundary_check=(0,), padding_option="zero")  # rows past hi: zeros, never used
@@ -53,7 +54,8 @@ def _attention_kernel(Q, K, V, MASK, SLOTS, OUT, PARTIAL, STATS, rows, last, k_h
     """Program (row block, K/V head, split). Q / OUT [Hkv, R, D]; K / V rows at head * k_head_stride +
     key * k_row_stride; MASK [R, C] additive, read only from the pass's first slot SLOTS[0] on (the
     committed past before it is visible to every row); keys past SLOTS[last] are not read. With
-    SPLITS > 1: PARTIAL [SPLITS, Hkv, R, D] unnormalised float32 sums, STATS [SPLITS, Hkv, R, 2] (max, sum)."""
+    SPLITS > 1: PARTIAL [SPLITS, Hkv, R, D] unnormalised float32 sums, STATS [SPLITS, Hkv, R, 2]
+    (max, sum)."""
     block = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -112,9 +114,9 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     """Softmax attention of folded rows query [Hkv, R, D] over key/value [Hkv, C, D] (rows contiguous,
     K and V of the same strides) with the additive mask [R, C], reading keys up to the last of
     ``slots`` (the pass's K/V slots; every later key must be masked) -> [Hkv, R, D]. The keys before
-    the first slot (the committed past) must be visible to every row: the mask is read from there on. ``splits``: of
-    the keys (None: enough programs to fill the GPU twice, at most ``MAX_KEY_SPLITS``). None (and
-    ``supports`` false from then on) if this GPU lacks the shared memory for the tiles."""
+    the first slot (the committed past) must be visible to every row: the mask is read from there on.
+    ``splits``: of the keys (None: enough programs to fill the GPU twice, at most ``MAX_KEY_SPLITS``).
+    None (and ``supports`` false from then on) if this GPU lacks the shared memory for the tiles."""
     heads, rows, dim = query.shape
     query = query.contiguous()
     mask = mask if mask.stride(-1) == 1 else mask.contiguous()
