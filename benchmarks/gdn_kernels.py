@@ -2,8 +2,8 @@
 
     python benchmarks/gdn_kernels.py [--shape qwen3.6-27b]
 
-Times (median, CUDA graph replay of one call) the Triton tree pass (the products with the committed
-state, then the blocked path solve) for tree widths q = 17..1025 of depth 15, with the solve's products
+Times (median, CUDA graph replay of one call) the Triton tree pass (the blocked path solve and the
+products with the committed state, one kernel) for tree widths q = 17..1025 of depth 15, with its products
 in float32 ("ieee", CUDA cores), three-pass tf32 (the default but for bfloat16 models) and tf32 (for
 bfloat16 models), 4 warps per program (and 8 in tf32), against the torch form; and checks each
 against it (relative error of all outputs).

@@ -86,6 +86,7 @@ def main() -> int:
                         help="also time the target in two segments of layers on this GPU (one graph per segment)")
     parser.add_argument("--profile", default="",
                         help="tree widths whose graph pass is profiled by kernel, comma-separated")
+    parser.add_argument("--top", type=int, default=12, help="kernels listed per profile, by time")
     args = parser.parse_args()
     device = torch.device("cuda")
     lines: list[str] = []
@@ -165,7 +166,7 @@ def main() -> int:
         tree = random_tree(vocab, q).to(device) if q > 1 else None
         call = ((lambda t=tree: graphed.verify_tree(prompt[0, 0], t)) if tree
                 else (lambda: graphed.verify_chain(prompt[0, :1])))
-        kernel_breakdown(call, f"graph verify q={q}", lines, top=12)
+        kernel_breakdown(call, f"graph verify q={q}", lines, top=args.top)
 
     # --- the prompt --------------------------------------------------------------------------------------
     def prefill_once(runner=graphed):
@@ -194,7 +195,7 @@ def main() -> int:
     if args.profile:
         from forward_anatomy import kernel_breakdown
 
-        kernel_breakdown(prefill_once, f"prefill {args.context}", lines, top=12)
+        kernel_breakdown(prefill_once, f"prefill {args.context}", lines, top=args.top)
 
     if args.only_forwards:
         print("\n".join(lines))

@@ -100,8 +100,7 @@ def launches(shape: dict, q: int = 257) -> list[Launch]:
     g, beta, state = torch.zeros(q, h), torch.zeros(q, h, dtype=bf16), torch.zeros(h, d, d)
     for dtype, precision in ((bf16, "tf32"), (f32, "tf32x3")):  # as a bfloat16 / a float32 model runs them
         norm = (torch.zeros(q, h * d, dtype=dtype), torch.zeros(d, dtype=dtype), 1e-6)
-        with (recording(gdn_triton, "_state_products_kernel", f"GDN state products ({precision})", out),
-              recording(gdn_triton, "_tree_block_kernel", f"GDN tree blocks + gated norm ({precision})", out)):
+        with recording(gdn_triton, "_tree_block_kernel", f"GDN tree blocks + gated norm ({precision})", out):
             gdn_triton.tree_outputs(kq, v_, g, beta, state, ancestors, model_dtype=dtype, norm=norm)
     with recording(gdn_triton, "_gated_norm_kernel", "GDN gated norm (chains)", out):
         gdn_triton.gated_norm(torch.zeros(q, h, d), torch.zeros(q, h * d, dtype=bf16), torch.zeros(d, dtype=bf16),

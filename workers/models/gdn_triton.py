@@ -8,13 +8,13 @@ torch kernels. ``gated_norm``: the output's RMSNormGated in one. Both follow the
 roundings to the model dtype, so they agree with it to rounding.
 
 ``tree_outputs``: the per-node path solve of ``workers.models.deltanet.tree_delta_rule_normalized``
-in blocks. First every node's k_ S0 and q_ S0 (one product per value head). Then one program per
-(block, value head): a block is 16 nodes consecutive in depth-first order plus the ancestors of its
-first node (``deltanet.tree_blocks``), which hold every path its nodes need. On those 32 slots the
-program forms the keys' Gram matrix, the path sums of the log decay, L (the paths' systems: each
-slot's row on its strict ancestors) and the nodes' query weights e, then w = e (I + L)^-1 by the
-nilpotent product (I - L)(I + L^2)(I + L^4)(I + L^8) and the outputs exp(G) q_ S0 + w r: all
-tensor-core products of 32 x 32 tiles, nothing written but the outputs. The torch form in
+in blocks, one program per (block, value head): a block is 16 nodes consecutive in depth-first order
+plus the ancestors of its first node (``deltanet.tree_blocks``), which hold every path its nodes
+need. On those 32 slots the program forms the keys' Gram matrix, the path sums of the log decay, L
+(the paths' systems: each slot's row on its strict ancestors) and the nodes' query weights e, then
+w = e (I + L)^-1 by the nilpotent product (I - L)(I + L^2)(I + L^4)(I + L^8), the slots' k_ S0 and
+the nodes' q_ S0 against the committed state, and the outputs exp(G) q_ S0 + w r: all tensor-core
+products of 32-wide tiles, nothing written but the outputs. The torch form in
 ``deltanet`` is the reference it is tested against (``tests/workers/models/test_gdn_triton.py``).
 """
 
@@ -27,23 +27,23 @@ import triton
 import triton.language as tl
 
 TREE_WARPS = 4
-PRODUCT_STEP = 32  # the state products' step along dk
+PRODUCT_STEP = 32  # the tree kernel's step along dk in its products with the committed state
 PROLOGUE_NODES = 4  # nodes per program of the conv prologue (one warp)
 NORM_HEADS = 16  # heads per program of the gated norm
 
 
 @triton.jit
 def _tree_block_kernel(
-    KQ, V, PROD, LOG_GATE, BETA, SLOTS, MASK, OUT, Z, NORM_W, nodes, z_stride, eps,
+    KQ, V, STATE, LOG_GATE, BETA, SLOTS, MASK, OUT, Z, NORM_W, nodes, z_stride, eps,
     HEADS: tl.constexpr, REPEAT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CONTEXT: tl.constexpr,
-    BLOCK: tl.constexpr, FACTORS: tl.constexpr, PRECISION: tl.constexpr, NORMED: tl.constexpr,
+    BLOCK: tl.constexpr, BK: tl.constexpr, FACTORS: tl.constexpr, PRECISION: tl.constexpr, NORMED: tl.constexpr,
 ):
     """Program (block b, value head h). KQ [Hk, 2, q, DK] (k_, then q_; value head h reads key head
-    h // REPEAT), V [H, q, DV], PROD [H, 2q, DV]
-    (k_ S0 rows, then q_ S0 rows), LOG_GATE / BETA [q, H], SLOTS [n, S] (S = CONTEXT + BLOCK; the
-    block's nodes in the last BLOCK slots), MASK [n, S, S] ancestor-or-self, from ``tree_blocks``.
-    OUT [q, H, DV] float32; or, NORMED, [q, H*DV] in OUT's dtype after the gated norm of each row
-    (``_gated_norm``'s, with Z [q, H*DV] (rows z_stride apart) and NORM_W [DV])."""
+    h // REPEAT), V [H, q, DV], STATE [H, DK, DV] the committed state S0, LOG_GATE / BETA [q, H],
+    SLOTS [n, S] (S = CONTEXT + BLOCK; the block's nodes in the last BLOCK slots), MASK [n, S, S]
+    ancestor-or-self, from ``tree_blocks``. OUT [q, H, DV] float32; or, NORMED, [q, H*DV] in OUT's
+    dtype after the gated norm of each row (``_gated_norm``'s, with Z [q, H*DV] (rows z_stride apart)
+    and NORM_W [DV])."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     S: tl.constexpr = CONTEXT + BLOCK
@@ -81,39 +81,25 @@ def _tree_block_kernel(
     for _ in tl.static_range(FACTORS - 1):
         power = tl.dot(power, power, input_precision=PRECISION)
         w = w + tl.dot(w, power, input_precision=PRECISION)
+    # the slots' k_ S0 and the nodes' q_ S0, over DK in steps of BK: a whole [DK, DV] float32 state
+    # tile would not fit an RTX A6000's shared memory (99 KB a block) beside the other operands
+    k_S0 = tl.zeros((S, DV), dtype=tl.float32)
+    q_S0 = tl.zeros((BLOCK, DV), dtype=tl.float32)
+    for step in range(0, DK, BK):
+        ds = step + tl.arange(0, BK)
+        state = tl.load(STATE + h * DK * DV + ds[:, None] * DV + cols[None, :])  # [BK, DV]
+        k_part = tl.load(kq + row[:, None] * DK + ds[None, :], mask=valid[:, None], other=0.0)  # [S, BK]
+        q_part = tl.load(kq + (nodes + node_row[:, None]) * DK + ds[None, :], mask=is_node[:, None], other=0.0)
+        k_S0 = tl.dot(k_part, state, k_S0, input_precision=PRECISION)
+        q_S0 = tl.dot(q_part, state, q_S0, input_precision=PRECISION)
     # r_n = beta_n (v_n - exp(G_n) k_n S0) for every slot
     values = tl.load(V + (h * nodes + row[:, None]) * DV + cols[None, :], mask=valid[:, None], other=0.0)
-    k_S0 = tl.load(PROD + (h * 2 * nodes + row[:, None]) * DV + cols[None, :], mask=valid[:, None], other=0.0)
     rhs = beta[:, None] * (values - tl.exp(G)[:, None] * k_S0)
-    q_S0 = tl.load(PROD + (h * 2 * nodes + nodes + node_row[:, None]) * DV + cols[None, :], mask=is_node[:, None],
-                   other=0.0)
     out = tl.exp(G_node)[:, None] * q_S0 + tl.dot(w, rhs, input_precision=PRECISION)  # [BLOCK, DV]
     if NORMED:
         z = tl.load(Z + node_row[:, None] * z_stride + h * DV + cols[None, :], mask=is_node[:, None], other=0.0)
         out = _gated_norm(out, z, tl.load(NORM_W + cols)[None, :], eps, OUT.dtype.element_ty, DV)
     tl.store(OUT + (node[:, None] * HEADS + h) * DV + cols[None, :], out, mask=is_node[:, None])
-
-
-@triton.jit
-def _state_products_kernel(X, S, OUT, rows, REPEAT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                           BLOCK: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (value head h, block of rows): OUT[h, rows] = X[h // REPEAT, rows] @ S[h], X [Hk, R, DK],
-    S [H, DK, DV]: the value heads of one key head read its rows (adjacent programs: from L2).
-
-    Over DK in steps of BK, with block pointers: whole [BLOCK, DK] and [DK, DV] float32 tiles would need
-    128 KB of shared memory at DK = DV = 128, more than an RTX A6000 gives a block (99 KB)."""
-    h = tl.program_id(0)
-    start = tl.program_id(1) * BLOCK
-    x = tl.make_block_ptr(X + (h // REPEAT) * rows * DK, (rows, DK), (DK, 1), (start, 0), (BLOCK, BK), (1, 0))
-    state = tl.make_block_ptr(S + h * DK * DV, (DK, DV), (DV, 1), (0, 0), (BK, DV), (1, 0))
-    acc = tl.zeros((BLOCK, DV), dtype=tl.float32)
-    for _ in range(0, DK, BK):
-        acc = tl.dot(tl.load(x, boundary_check=(0,), padding_option="zero"), tl.load(state), acc,
-                     input_precision=PRECISION)
-        x = tl.advance(x, (0, BK))
-        state = tl.advance(state, (BK, 0))
-    tl.store(tl.make_block_ptr(OUT + h * rows * DV, (rows, DV), (DV, 1), (start, 0), (BLOCK, DV), (1, 0)), acc,
-             boundary_check=(0,))
 
 
 def tree_outputs(
@@ -133,7 +119,7 @@ def tree_outputs(
     ``norm``, ``gated_norm(outputs, z, weight, eps, model_dtype)`` [q, H*dv] instead, in the kernel's
     epilogue (the float32 outputs are never written).
 
-    The products (with the committed state, then the solve's) run on tensor cores: in tf32 for a
+    The products (the solve's and those with the committed state) run on tensor cores: in tf32 for a
     bfloat16 model (relative error ~1e-3, below the rounding of the outputs to bfloat16 that follows),
     otherwise in three-pass tf32, as accurate as float32 (``benchmarks/gdn_kernels.py`` prints both
     errors and times). ``precision`` overrides the choice.
@@ -145,14 +131,6 @@ def tree_outputs(
     kq = kq.contiguous()
     slots, mask = blocks if blocks is not None else tree_blocks(ancestors)
     precision = precision or ("tf32" if model_dtype == torch.bfloat16 else "tf32x3")
-    # every node's k_ S0 and q_ S0 against its value head's committed state: [H, 2q, dv]
-    products = torch.empty(heads, 2 * nodes, dv, dtype=torch.float32, device=v_.device)
-    rows = min(128, max(16, triton.next_power_of_2(2 * nodes)))
-    _state_products_kernel[(heads, triton.cdiv(2 * nodes, rows))](
-        kq, state, products, 2 * nodes, REPEAT=heads // key_heads, DK=dk, DV=dv, BLOCK=rows,
-        BK=min(dk, PRODUCT_STEP), PRECISION=precision,
-        num_warps=8 if rows == 128 else 4, num_stages=2,
-    )
     if norm is None:
         out = torch.empty(nodes, heads, dv, dtype=torch.float32, device=v_.device)
         z, weight, eps = out, out, 0.0  # not read
@@ -161,10 +139,10 @@ def tree_outputs(
         z = z if z.stride(-1) == 1 else z.contiguous()
         out = torch.empty(nodes, heads * dv, dtype=model_dtype, device=v_.device)
     _tree_block_kernel[(slots.shape[0], heads)](
-        kq, v_.contiguous(), products, log_gate.float().contiguous(), beta.contiguous(), slots, mask.view(torch.uint8),
-        out, z, weight, nodes, z.stride(0), eps,
+        kq, v_.contiguous(), state.contiguous(), log_gate.float().contiguous(), beta.contiguous(), slots,
+        mask.view(torch.uint8), out, z, weight, nodes, z.stride(0), eps,
         HEADS=heads, REPEAT=heads // key_heads, DK=dk, DV=dv, CONTEXT=slots.shape[1] - TREE_BLOCK,
-        BLOCK=TREE_BLOCK,
+        BLOCK=TREE_BLOCK, BK=min(dk, PRODUCT_STEP),
         FACTORS=max(1, (ancestors.shape[1] - 1).bit_length()), PRECISION=precision, NORMED=norm is not None,
         num_warps=num_warps or TREE_WARPS,
     )
