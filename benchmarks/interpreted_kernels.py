@@ -30,7 +30,7 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def tree_checks(lines: list[str]) -> None:
-    """tree_outputs (state products + blocked solve), with and without the gated norm in its epilogue."""
+    """tree_outputs (the blocked solve with its state products), with and without the gated norm in its epilogue."""
     for q, depth, dk, dv in [(1, 1, 16, 16), (17, 15, 32, 32), (70, 15, 32, 16), (300, 6, 16, 32)]:
         g = torch.Generator().manual_seed(q)
         hk, h = 2, 6
