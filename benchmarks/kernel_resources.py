@@ -120,7 +120,8 @@ def launches(shape: dict, q: int = 257) -> list[Launch]:
     kv = torch.zeros(2, 1, kv_heads, capacity, head_dim, dtype=bf16)
     slots = torch.arange(q) + 1024
     for splits in (1, 4):
-        with recording(attention_triton, "_attention_kernel", f"verify attention ({splits} key splits)", out):
+        with (recording(attention_triton, "_attention_kernel", f"verify attention ({splits} key splits)", out),
+              recording(attention_triton, "_merge_kernel", f"verify attention's merge ({splits} key splits)", out)):
             attention_triton.attend_until(torch.zeros(kv_heads, rows, head_dim, dtype=bf16), kv[0, 0], kv[1, 0],
                                           torch.zeros(rows, capacity, dtype=bf16), slots, head_dim**-0.5, splits)
     with recording(fused_hybrid_triton, "_heads_kernel", "attention heads (norm, rotary, K/V write)", out):

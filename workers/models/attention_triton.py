@@ -9,9 +9,9 @@ before them is visible to every row, so its tiles need no mask tile.
 
 It is a flash-attention forward (online softmax in float32, P rounded to the inputs' dtype for the
 P V product, as SDPA's fused kernels do) over folded rows: query [Hkv, R, D], one program per block
-of rows, K/V head and split of the keys; with few row blocks the keys are split and the partial
-results merged by their log-sum-exps. K, V, the mask and the query are read through block pointers:
-per-element pointer tensors for a [64, 256] tile would hold 128 registers a thread and spill
+of rows, K/V head and split of the keys; with few row blocks the keys are split and a second kernel
+merges the partial results by their log-sum-exps. K, V, the mask and the query are read through
+block pointers: per-element pointer tensors for a [64, 256] tile would hold 128 registers a thread and spill
 (``benchmarks/kernel_resources.py`` prints each kernel's registers and spills per architecture).
 Tested against SDPA in ``tests/workers/models/test_attention_triton.py`` (GPU-marked).
 """
@@ -97,6 +97,29 @@ def _attention_kernel(Q, K, V, MASK, SLOTS, OUT, PARTIAL, STATS, rows, last, k_h
         tl.store(STATS + at * 2 + 1, total, mask=in_rows)
 
 
+@triton.jit
+def _merge_kernel(PARTIAL, STATS, OUT, count, D: tl.constexpr, SPLITS: tl.constexpr, BR: tl.constexpr):
+    """Program (block of BR of the count = Hkv x R folded rows): OUT = the splits' PARTIAL sums, each
+    weighted by exp(its max - the largest max), over the same weighting of their STATS sums."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    d = tl.arange(0, D)
+    in_rows = r < count
+    top = tl.full((BR,), float("-inf"), dtype=tl.float32)
+    for split in tl.static_range(SPLITS):
+        top = tl.maximum(top, tl.load(STATS + (split * count + r) * 2, mask=in_rows, other=0.0))
+    acc = tl.zeros((BR, D), dtype=tl.float32)
+    total = tl.zeros((BR,), dtype=tl.float32)
+    for split in range(SPLITS):  # a loop, not unrolled: one [BR, D] tile of partial sums live at a time
+        at = split * count + r
+        weight = tl.exp(tl.load(STATS + at * 2, mask=in_rows, other=0.0) - top)  # a split that read no key: 0
+        total += weight * tl.load(STATS + at * 2 + 1, mask=in_rows, other=0.0)
+        acc += weight[:, None] * tl.load(PARTIAL + at[:, None] * D + d[None, :], mask=in_rows[:, None], other=0.0)
+    tl.store(OUT + r[:, None] * D + d[None, :], (acc / total[:, None]).to(OUT.dtype.element_ty),
+             mask=in_rows[:, None])
+
+
+MERGE_ROWS = 16  # folded rows per program of the splits' merge
+
 _TOO_LARGE: set[tuple[str, int]] = set()  # (device, head size) whose tiles need more shared memory than it has
 
 
@@ -138,9 +161,7 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     except OutOfResources:  # raised when compiling, before any launch
         _TOO_LARGE.add((str(query.device), dim))
         return None
-    if splits == 1:
-        return out
-    best, total = stats.unbind(-1)  # [splits, Hkv, R]
-    weight = torch.exp(best - best.amax(0))  # a split that read no key has best -inf: weight 0
-    merged = (weight[..., None] * partial).sum(0) / (weight * total).sum(0)[..., None]
-    return merged.to(query.dtype)
+    if splits > 1:
+        _merge_kernel[(triton.cdiv(heads * rows, MERGE_ROWS),)](partial, stats, out, heads * rows, D=dim,
+                                                                SPLITS=splits, BR=MERGE_ROWS, num_warps=4)
+    return out
