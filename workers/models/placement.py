@@ -117,7 +117,7 @@ def graph_activation_bytes(config, budget: RunBudget, dtype: torch.dtype) -> int
     segment rounding. Sized from the widest rows (the MLP's gate/up and activation, hidden-size
     temporaries; float32 GDN and attention intermediates make the measured rows ~4x that, see
     benchmarks/graph_pools.py), a few-row attention's scores over the whole K/V buffer, and many rows'
-    partial sums when the Triton attention splits the keys (and their weighted copy in the merge)."""
+    partial sums when the Triton attention splits the keys."""
     cfg = text_config(config)
     element = torch.empty((), dtype=dtype).element_size()
     row = GRAPH_ROW_FACTOR * (3 * cfg.intermediate_size + 6 * cfg.hidden_size)
@@ -127,9 +127,9 @@ def graph_activation_bytes(config, budget: RunBudget, dtype: torch.dtype) -> int
     rows = cfg.num_attention_heads // cfg.num_key_value_heads * budget.max_verify
     if rows <= SMALL_ATTENTION_ROWS:
         attention = 2 * cfg.num_key_value_heads * rows * budget.max_tokens * element
-    else:  # the split keys' partial sums, float32, twice (the merge's weighted copy)
+    else:  # the split keys' partial sums, float32 (merged by one kernel, which makes no copy)
         partial_rows = min(MAX_KEY_SPLITS * cfg.num_key_value_heads * rows, 4 * MULTIPROCESSORS * ROW_BLOCK)
-        attention = 2 * partial_rows * attention_head_dim(cfg) * 4
+        attention = partial_rows * attention_head_dim(cfg) * 4
     return GRAPH_POOL_SLACK + budget.max_verify * row * element + attention
 
 
