@@ -112,7 +112,7 @@ def _merge_kernel(PARTIAL, STATS, OUT, count, D: tl.constexpr, SPLITS: tl.conste
     for split in range(SPLITS):  # a loop, not unrolled: one [BR, D] tile of partial sums live at a time
         at = split * count + r
         weight = tl.exp(tl.load(STATS + at * 2, mask=in_rows, other=0.0) - top)  # a split that read no key: 0
-        total += weight * tl.load(STATS + at * 2 + 1, mask=in_rows, other=0.0)
+        total += weight * tl.load(STATS + at * 2 + 1, mask=in_rows, other=1.0)  # rows past count: finite, not stored
         acc += weight[:, None] * tl.load(PARTIAL + at[:, None] * D + d[None, :], mask=in_rows[:, None], other=0.0)
     tl.store(OUT + r[:, None] * D + d[None, :], (acc / total[:, None]).to(OUT.dtype.element_ty),
              mask=in_rows[:, None])

@@ -1,0 +1,162 @@
+"""The hybrid targets' Triton kernels against their torch forms on CPU, through Triton's interpreter.
+
+The GPU-marked tests are the proof on hardware. These run the same kernels' Python on CPU tensors, in
+float32 and float16 (the interpreter has no bfloat16), at small head sizes, so that every CI run checks
+the kernels' arithmetic. They need ``triton`` and ``TRITON_INTERPRET=1`` set before it is imported:
+``make test-kernels`` installs one and runs them. Elsewhere they are skipped.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from workers.models.kernel_inputs import attention_pass_inputs, random_tree_parents
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs triton and TRITON_INTERPRET=1 (make test-kernels)")
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpreter_reads_one_element_bounds():
+    """Triton 3.6's interpreter turns a loop bound loaded from memory into an int with int(array), which
+    numpy >= 2.4 refuses for a one-element array of one dimension (the attention and commit kernels
+    loop up to a loaded slot); read the element instead, inside the interpreter's own patch scope."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch
+    yield
+    interpreter._patch_lang_tensor = original
+
+
+@pytest.mark.parametrize(("q", "depth", "dk", "dv"), [(1, 1, 16, 16), (17, 15, 32, 32), (70, 15, 32, 16),
+                                                     (300, 6, 16, 32)])
+def test_the_tree_kernel_equals_the_torch_tree_form(q, depth, dk, dv):
+    """tree_outputs (the blocked solve with its state products), without and with the gated norm in its
+    epilogue, against the per-node torch form."""
+    from workers.models.deltanet import ancestor_table, l2_normalize, tree_delta_rule
+    from workers.models.gdn_triton import gated_norm, tree_outputs
+
+    g = torch.Generator().manual_seed(q)
+    hk, h = 2, 6
+    parents = random_tree_parents(q, depth, g)
+    query, key = torch.randn(q, hk, dk, generator=g), torch.randn(q, hk, dk, generator=g)
+    value, log_gate = torch.randn(q, h, dv, generator=g), -torch.rand(q, h, generator=g) * 2
+    beta, state = torch.rand(q, h, generator=g), torch.randn(h, dk, dv, generator=g) * 0.3
+    ancestors = ancestor_table(parents)
+    want = tree_delta_rule(query, key, value, log_gate, beta, state, ancestors, use_triton=False)
+    kq = torch.stack((l2_normalize(key).transpose(0, 1), (l2_normalize(query) * dk**-0.5).transpose(0, 1)), 1)
+    v_ = value.transpose(0, 1).contiguous()
+    assert relative(tree_outputs(kq, v_, log_gate, beta, state, ancestors), want) < 1e-5
+    z = torch.randn(q, h * dv + 5, generator=g)[:, 2 : 2 + h * dv]  # rows strided, as the projection gives them
+    weight = 1 + 0.1 * torch.randn(dv, generator=g)
+    normed = tree_outputs(kq, v_, log_gate, beta, state, ancestors, norm=(z, weight, 1e-6))
+    assert relative(normed, gated_norm(want, z, weight, 1e-6, torch.float32)) < 1e-5
+
+
+@pytest.mark.parametrize(("heads", "groups", "q", "capacity", "length", "dim"),
+                         [(2, 3, 30, 200, 100, 32), (1, 4, 129, 1300, 1024, 32), (2, 1, 257, 700, 0, 16)])
+@torch.inference_mode()
+def test_the_attention_kernel_equals_the_torch_attention(heads, groups, q, capacity, length, dim):
+    """attend_until (keys up to the pass's last slot, the mask read over the pass's own keys; the keys
+    split 1, 3 or 8 ways and merged) in float16 against float32 attention over exactly the visible
+    keys (keys after the pass are NaN: reading one would show)."""
+    from workers.models.attention import attend_folded
+    from workers.models.attention_triton import attend_until
+
+    query, key, value, mask, slots = attention_pass_inputs(heads, groups, q, capacity, length, dim,
+                                                           torch.float16, q, "cpu")
+    end = length + q
+    want = attend_folded(query.float(), key[:, :end].float(), value[:, :end].float(), mask[:, :end].float(),
+                         dim**-0.5)
+    for splits in (1, 3, 8):
+        got = attend_until(query, key, value, mask, slots, dim**-0.5, splits)
+        assert got.dtype == torch.float16 and torch.isfinite(got).all()
+        assert relative(got, want) < 2e-3  # float16's rounding of the output is 5e-4 at most
+
+
+@pytest.mark.parametrize(("chain", "q"), [(False, 40), (False, 130), (True, 40), (True, 1), (True, 7)])
+@torch.inference_mode()
+def test_a_gdn_layer_through_the_kernels_equals_its_torch_path(chain, q):
+    """A whole GDN layer (fused projection, conv prologue, tree solve or chain rule, gated norm; a chain
+    committed as it goes) through the kernels against its torch path: outputs, and for a chain the
+    state and conv window it leaves."""
+    from workers.models.deltanet import TreeShape
+    from workers.models.gdn_layer import gdn_layer_for
+    from workers.models.shapes import build_random_target
+
+    model = build_random_target("qwen3.6-mini", torch.float32, torch.device("cpu"))
+    layer = gdn_layer_for(model.model.layers[0].linear_attn)
+    g = torch.Generator().manual_seed(q)
+    hidden = torch.randn(1, q, model.config.hidden_size, generator=g)
+    parents = torch.arange(-1, q - 1) if chain else random_tree_parents(q, 15, g)
+    shape = TreeShape.build(parents, layer.window, chain, commits=chain).with_blocks()
+    window0 = torch.randn(layer.window, layer.conv_dim, generator=g)
+    state0 = torch.randn(layer.state_shape, generator=g) * 0.3
+    results = []
+    for kernels in (False, True):
+        layer.kernels = kernels
+        window, state = window0.clone(), state0.clone()
+        out, _ = layer(hidden, shape, window, state, commit=chain)
+        results.append((out, state, window))
+    (want, want_state, want_window), (got, got_state, got_window) = results
+    assert relative(got, want) < 1e-5
+    if chain:
+        assert relative(got_state, want_state) < 1e-5
+        assert torch.equal(got_window, want_window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_hybrid_layers_small_kernels_equal_their_torch_forms(dtype):
+    """The (1 + w) RMS norm (rows contiguous or strided), silu(gate) * up, and the attention heads'
+    norms + partial rotary + K/V write + query fold."""
+    from workers.models import fused_hybrid_triton
+    from workers.models.fused_hybrid import norm_rotate_heads_torch, one_plus_rms_norm
+    from workers.models.fused_layer import PassInputs
+
+    g = torch.Generator().manual_seed(2)
+    tolerance = {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 4e-3, "rtol": 4e-3}
+    norm = nn.Module()
+    norm.weight, norm.eps = (torch.randn(320, generator=g) * 0.3).to(dtype), 1e-6
+    for x in ((torch.randn(7, 320, generator=g) * 3).to(dtype), torch.randn(3, 6, 320, generator=g).to(dtype)[:, 1:5]):
+        got = fused_hybrid_triton.one_plus_rms_norm(x, norm.weight, norm.eps)
+        assert got.is_contiguous()
+        torch.testing.assert_close(got, one_plus_rms_norm(x, norm), **tolerance)
+    gate_up = (torch.randn(5, 2 * 1500, generator=g) * 3).to(dtype)
+    torch.testing.assert_close(fused_hybrid_triton.silu_mul(gate_up),
+                               torch.nn.functional.silu(gate_up[:, :1500]) * gate_up[:, 1500:], **tolerance)
+
+    q, hq, hkv, d, rotary = 5, 4, 2, 32, 8
+    heads = torch.randn(q, 2 * hq + 2 * hkv, d, generator=g).to(dtype)
+    q_norm, k_norm = nn.Module(), nn.Module()
+    q_norm.weight, k_norm.weight = ((torch.randn(d, generator=g) * 0.3).to(dtype) for _ in range(2))
+    q_norm.eps = k_norm.eps = 1e-6
+    angles = torch.rand(1, q, rotary // 2, generator=g).repeat(1, 1, 2) * 6
+    inputs = PassInputs.build(angles.cos().to(dtype), angles.sin().to(dtype), torch.arange(3, 3 + q),
+                              torch.zeros(q, 4), hq // hkv)
+    results = []
+    for kernel in (False, True):
+        kv = torch.zeros(2, 1, hkv, q + 5, d, dtype=dtype)
+        if kernel:
+            folded = fused_hybrid_triton.norm_rotate_heads(heads, q_norm.weight, k_norm.weight, q_norm.eps,
+                                                           inputs.cos, inputs.sin_signed, inputs.slots, kv, hq, hkv)
+        else:
+            folded = norm_rotate_heads_torch(heads, q_norm, k_norm, inputs, kv, hq, hkv)
+        results.append((folded, kv))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, **tolerance)
