@@ -126,7 +126,7 @@ def test_the_hybrid_layers_small_kernels_equal_their_torch_forms(dtype):
     """The (1 + w) RMS norm (rows contiguous or strided), silu(gate) * up, and the attention heads'
     norms + partial rotary + K/V write + query fold."""
     from workers.models import fused_hybrid_triton
-    from workers.models.fused_hybrid import norm_rotate_heads_torch, one_plus_rms_norm
+    from workers.models.fused_hybrid import norm_rotate_heads, norm_rotate_heads_torch, one_plus_rms_norm
     from workers.models.fused_layer import PassInputs
 
     g = torch.Generator().manual_seed(2)
@@ -150,13 +150,8 @@ def test_the_hybrid_layers_small_kernels_equal_their_torch_forms(dtype):
     inputs = PassInputs.build(angles.cos().to(dtype), angles.sin().to(dtype), torch.arange(3, 3 + q),
                               torch.zeros(q, 4), hq // hkv)
     results = []
-    for kernel in (False, True):
+    for run in (norm_rotate_heads_torch, norm_rotate_heads):  # the torch form, the kernel
         kv = torch.zeros(2, 1, hkv, q + 5, d, dtype=dtype)
-        if kernel:
-            folded = fused_hybrid_triton.norm_rotate_heads(heads, q_norm.weight, k_norm.weight, q_norm.eps,
-                                                           inputs.cos, inputs.sin_signed, inputs.slots, kv, hq, hkv)
-        else:
-            folded = norm_rotate_heads_torch(heads, q_norm, k_norm, inputs, kv, hq, hkv)
-        results.append((folded, kv))
+        results.append((run(heads, q_norm, k_norm, inputs, kv, hq, hkv), kv))
     for got, want in zip(results[1], results[0]):
         torch.testing.assert_close(got, want, **tolerance)
