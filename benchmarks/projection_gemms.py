@@ -8,8 +8,8 @@ projections), one GPU. Each time is the median of CUDA graph replays of 20 back-
 floor ("ideal") is 2 x rows x K x N / the rate of an 8192^3 product measured in the same run (and,
 in ``layout``, at least the weight read at 4.2 TB/s). Parts:
 - ``epilogue``: the residual sum in the product's epilogue (``torch.addmm``, what the fused layers
-  do), a plain product, and each followed by the next RMS norm (a plain norm kernel; an add + norm
-  kernel after the plain product), for the output projections down_proj and o_proj;
+  do), a plain product, and each followed by the next RMS norm (the project's ``one_plus_rms_norm``;
+  an add + norm kernel after the plain product), for the output projections down_proj and o_proj;
 - ``layout``: the weight as a Linear stores it ([N, K], "TN") or transposed in memory ("NN", still a
   [N, K] view), for every projection, with and without the residual add;
 - ``widths``: down_proj and gate/up at widths around 256 and 1024 (what padding a pass would buy).
@@ -22,19 +22,11 @@ import argparse
 import torch
 import triton
 import triton.language as tl
+from forward_anatomy import graphed  # a sibling script: benchmarks/ is on sys.path
+
+from workers.models.fused_hybrid_triton import one_plus_rms_norm
 
 HIDDEN, MLP, HEADS_OUT = 5120, 17408, 6144
-
-
-@triton.jit
-def _norm_kernel(X, W, OUT, n, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    valid = cols < n
-    x = tl.load(X + row * n + cols, mask=valid, other=0.0).to(tl.float32)
-    w = tl.load(W + cols, mask=valid, other=0.0).to(tl.float32)
-    y = x * tl.rsqrt(tl.sum(x * x, axis=0) / n + eps) * (1.0 + w)
-    tl.store(OUT + row * n + cols, y.to(OUT.dtype.element_ty), mask=valid)
 
 
 @triton.jit
@@ -53,21 +45,15 @@ def _add_norm_kernel(X, R, W, SUM, OUT, n, eps, BLOCK: tl.constexpr):
 
 
 def replay_us(fn, calls: int = 20, reps: int = 7) -> float:
-    """Median microseconds per call of ``calls`` calls captured in one CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.cuda.stream(torch.cuda.Stream()):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-    graph.replay()
-    torch.cuda.synchronize()
+    """Median microseconds per call of ``calls`` calls captured in one CUDA graph (timed by events:
+    back-to-back products of ~20 us, no host gap between them)."""
+    replay = graphed(lambda: [fn() for _ in range(calls)])
+    replay()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     samples = []
     for _ in range(reps):
         begin.record()
-        graph.replay()
+        replay()
         end.record()
         end.synchronize()
         samples.append(begin.elapsed_time(end) * 1e3 / calls)
@@ -84,14 +70,13 @@ def epilogue_table(rate: float) -> None:
             x = torch.randn(q, k, device="cuda", dtype=torch.bfloat16)
             residual = torch.randn(q, HIDDEN, device="cuda", dtype=torch.bfloat16)
             total, normed = torch.empty_like(residual), torch.empty_like(residual)
-            launch = dict(BLOCK=triton.next_power_of_2(HIDDEN), num_warps=16)
             times = (
                 replay_us(lambda: torch.addmm(residual, x, weight.t())),
                 replay_us(lambda: torch.mm(x, weight.t())),
-                replay_us(lambda: _norm_kernel[(q,)](torch.addmm(residual, x, weight.t()), norm_weight, normed,
-                                                     HIDDEN, 1e-6, **launch)),
+                replay_us(lambda: one_plus_rms_norm(torch.addmm(residual, x, weight.t()), norm_weight, 1e-6)),
                 replay_us(lambda: _add_norm_kernel[(q,)](torch.mm(x, weight.t()), residual, norm_weight, total,
-                                                         normed, HIDDEN, 1e-6, **launch)),
+                                                         normed, HIDDEN, 1e-6, BLOCK=triton.next_power_of_2(HIDDEN),
+                                                         num_warps=16)),  # the project's norm's launch
             )
             ideal = 2 * q * k * HIDDEN / rate * 1e6
             print(f"{name:>10} {q:>5} {times[0]:8.1f} {times[1]:8.1f} {times[2]:11.1f} {times[3]:11.1f} {ideal:8.1f}")
