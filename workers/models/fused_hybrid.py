@@ -14,7 +14,8 @@ Every norm here is Qwen3.5's RMSNorm: in float32, x * rsqrt(mean(x^2) + eps) * (
 rounded to the model dtype once; on CUDA that is one Triton kernel (``one_plus_rms_norm``), on CPU
 the same arithmetic in torch. ``rope_r`` rotates only the first r = cos.shape[-1] dims of each head
 (``partial_rotary_factor``). The residual sums happen in the output projections' matrix products
-(``torch.addmm``'s epilogue), and K and V go to the cache with one copy.
+(``add_projection_``: the residual stream updated in place by the product's epilogue), and K and V go
+to the cache with one copy. A layer updates the hidden state it is given in place and returns it.
 
 As in ``FusedLayer``, the fused matrices are built once per layer and the model's own ``q_proj.weight``
 (etc.) become views into them, so no weight is stored twice and transformers' forward still reads
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.models.attention import attend_folded
-from workers.models.fused_layer import PassInputs, fuse_rows
+from workers.models.fused_layer import PassInputs, add_projection_, fuse_rows
 
 # transformers' RMSNorm classes computing (1 + weight) * (x * rsqrt(mean(x^2) + eps)) in float32
 ONE_PLUS_NORMS = frozenset({"Qwen3_5RMSNorm", "Qwen3_5TextRMSNorm", "Qwen3NextRMSNorm", "Qwen3_5MoeRMSNorm"})
@@ -60,16 +61,6 @@ def _kernels_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def residual_plus(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear, reduce: Reduce | None) -> torch.Tensor:
-    """residual + reduce(linear(x)) for 2-D operands; without ``reduce`` the sum is the matrix
-    product's epilogue (one kernel)."""
-    if reduce is not None:
-        return residual + reduce(linear(x))
-    if linear.bias is not None:
-        return residual + linear(x)
-    return torch.addmm(residual, x, linear.weight.t())
 
 
 def _is_one_plus(norm: nn.Module) -> bool:
@@ -103,17 +94,16 @@ class HybridMLP:
         return self.gate_up_weight is None or self.mlp.gate_proj.weight.data_ptr() == self.gate_up_weight.data_ptr()
 
     def __call__(self, residual: torch.Tensor) -> torch.Tensor:
-        """residual [q, H] -> [q, H]."""
+        """residual [q, H] -> residual, updated in place."""
         normed = one_plus_rms_norm(residual, self.post_norm)
         if self.gate_up_weight is None:  # MoE: the module (its router is data-dependent)
             out = self.mlp(normed[None])
             out = out[0] if isinstance(out, tuple) else out
-            out = out[0] if self.reduce is None else self.reduce(out[0])
-            return residual + out
+            return residual.add_(out[0] if self.reduce is None else self.reduce(out[0]))
         return self.dense_mlp(residual, normed)
 
     def dense_mlp(self, residual: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
-        """residual + down_proj(silu(gate) * up) of the normed rows [q, H] (a dense MLP)."""
+        """residual += down_proj(silu(gate) * up) of the normed rows [q, H] (a dense MLP), in place."""
         gate_up = F.linear(normed, self.gate_up_weight)  # [q, 2I]
         if gate_up.is_cuda and _kernels_available():
             from workers.models.fused_hybrid_triton import silu_mul
@@ -121,7 +111,7 @@ class HybridMLP:
             activated = silu_mul(gate_up)
         else:
             activated = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-        return residual_plus(residual, activated, self.down_proj, self.reduce)
+        return add_projection_(residual, activated, self.down_proj, self.reduce)
 
 
 class HybridLinearLayer:
@@ -149,8 +139,9 @@ class HybridLinearLayer:
 
     def finish_summed(self, summed: torch.Tensor) -> torch.Tensor:
         """summed [1, q, H] (hidden + the mixer's output, the mixer's out_proj having added them) -> the
-        layer's output [1, q, H]."""
-        return self.mlp(summed[0]).unsqueeze(0)
+        layer's output: summed, updated in place."""
+        self.mlp(summed[0])
+        return summed
 
 
 class GatedAttentionLayer:
@@ -187,7 +178,8 @@ class GatedAttentionLayer:
         return self.attn.q_proj.weight.data_ptr() == self.qkv_weight.data_ptr() and self.mlp.is_current()
 
     def __call__(self, hidden: torch.Tensor, inputs: PassInputs, kv: torch.Tensor, attend: int) -> torch.Tensor:
-        """hidden [1, q, H] -> [1, q, H]; writes this pass's K/V into kv [2, 1, Hkv, C, D] at inputs.slots."""
+        """hidden [1, q, H] -> hidden, updated in place; writes this pass's K/V into kv [2, 1, Hkv, C, D] at
+        inputs.slots."""
         q, hq, hkv, d = hidden.shape[1], self.query_heads, self.kv_heads, self.head_dim
         residual = hidden[0]  # [q, H]
         heads = F.linear(one_plus_rms_norm(residual, self.input_norm), self.qkv_weight, self.qkv_bias)
@@ -198,8 +190,9 @@ class GatedAttentionLayer:
                            slots=inputs.slots)
         # the output gate: [q, Hq, D] (sigmoid's output is contiguous, the product lands in it)
         gated = torch.sigmoid(heads[:, : 2 * hq].view(q, hq, 2, d)[:, :, 1]).mul_(out.view(hq, q, d).transpose(0, 1))
-        residual = residual_plus(residual, gated.view(q, hq * d), self.o_proj, self.reduce)
-        return self.mlp(residual).unsqueeze(0)
+        add_projection_(residual, gated.view(q, hq * d), self.o_proj, self.reduce)
+        self.mlp(residual)
+        return hidden
 
 
 def norm_rotate_heads(heads: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module, inputs: PassInputs,

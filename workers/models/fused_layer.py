@@ -114,7 +114,8 @@ class FusedLayer:
                 and layer.mlp.gate_proj.weight.data_ptr() == self.gate_up_weight.data_ptr())
 
     def __call__(self, hidden: torch.Tensor, inputs: PassInputs, kv: torch.Tensor, attend: int) -> torch.Tensor:
-        """hidden [1, q, H] -> [1, q, H]; writes this pass's K/V into kv [2, 1, Hkv, C, D] at inputs.slots."""
+        """hidden [1, q, H] -> hidden, updated in place; writes this pass's K/V into kv [2, 1, Hkv, C, D] at
+        inputs.slots."""
         q, hq, hkv, d = hidden.shape[1], self.query_heads, self.kv_heads, self.head_dim
         residual = hidden[0]  # [q, H]
         heads = F.linear(_rms_norm(residual, self.input_norm), self.qkv_weight, self.qkv_bias).view(q, hq + 2 * hkv, d)
@@ -129,23 +130,25 @@ class FusedLayer:
         folded = heads[:, :hq].transpose(0, 1).reshape(hkv, (hq // hkv) * q, d)
         out = attend_folded(folded, kv[0, 0, :, :attend], kv[1, 0, :, :attend], inputs.mask, self.scale,
                            slots=inputs.slots)
-        residual = _linear_plus(residual, out.reshape(hq, q, d).transpose(0, 1).reshape(q, hq * d), self.o_proj,
-                                self.reduce)
+        add_projection_(residual, out.reshape(hq, q, d).transpose(0, 1).reshape(q, hq * d), self.o_proj, self.reduce)
         gate_up = F.linear(_rms_norm(residual, self.post_norm), self.gate_up_weight)
         activated = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-        return _linear_plus(residual, activated, self.down_proj, self.reduce).unsqueeze(0)
+        add_projection_(residual, activated, self.down_proj, self.reduce)
+        return hidden
 
 
-def _linear_plus(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """residual + linear(x) for 2-D operands, the sum in the matrix product's epilogue (one kernel).
+def add_projection_(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear,
+                    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """residual += linear(x) in place, for 2-D operands; returns residual. Without bias or ``reduce``
+    the sum is the matrix product's epilogue, one kernel (``torch.addmm`` into a new tensor would
+    first copy residual there: a copy per projection).
 
     With ``reduce`` (tensor parallel) linear(x) is this rank's partial sum: reduced first, then added."""
     if reduce is not None:
-        return residual + reduce(F.linear(x, linear.weight, linear.bias))
+        return residual.add_(reduce(F.linear(x, linear.weight, linear.bias)))
     if linear.bias is not None:
-        return residual + linear(x)
-    return torch.addmm(residual, x, linear.weight.t())
+        return residual.add_(linear(x))
+    return residual.addmm_(x, linear.weight.t())
 
 
 def _rms_norm(hidden: torch.Tensor, norm: nn.Module) -> torch.Tensor:

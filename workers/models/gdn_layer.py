@@ -39,8 +39,7 @@ from workers.models.deltanet import (
     triton_available,
     window_after,
 )
-from workers.models.fused_hybrid import residual_plus
-from workers.models.fused_layer import fuse_rows
+from workers.models.fused_layer import add_projection_, fuse_rows
 
 
 class GDNLayer:
@@ -93,7 +92,8 @@ class GDNLayer:
         ``commit`` (the prompt: a chain kept whole) advances (conv_window, state) in place over all
         nodes and keeps nothing; otherwise the pass leaves the state alone and returns what
         ``commit`` needs to replay any accepted path. ``residual`` [1, q, H]: if given, mixed is
-        residual + the mixer's output (on CUDA the sum is out_proj's matrix product's epilogue).
+        residual itself, the mixer's output added in place (on CUDA by out_proj's matrix product's
+        epilogue).
         """
         mixer, q = self.mixer, hidden.shape[1]
         if self.kernels:
@@ -119,7 +119,7 @@ class GDNLayer:
             pending = PendingLayer(extended, shape.lag_index, log_gate, beta)
         out = mixer.norm(out.to(hidden.dtype).reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
         mixed = self._reduced(mixer.out_proj(out.reshape(1, q, -1)))
-        return (mixed if residual is None else residual + mixed), pending
+        return (mixed if residual is None else residual.add_(mixed)), pending
 
     def _with_kernels(self, hidden, shape: TreeShape, conv_window, state, commit: bool, residual):
         """``__call__`` through the Triton kernels: one projection, one conv prologue (with the gates and
@@ -161,8 +161,9 @@ class GDNLayer:
             normed = gated_norm(out, z, mixer.norm.weight, mixer.norm.variance_epsilon, hidden.dtype)
         if residual is None:
             return self._reduced(mixer.out_proj(normed).unsqueeze(0)), pending
-        # the residual sum in out_proj's epilogue (sharded: added after the reduce)
-        return residual_plus(residual[0], normed, mixer.out_proj, self.reduce).unsqueeze(0), pending
+        # the residual sum in out_proj's epilogue, in place (sharded: added after the reduce)
+        add_projection_(residual[0], normed, mixer.out_proj, self.reduce)
+        return residual, pending
 
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
         return partial if self.reduce is None else self.reduce(partial)

@@ -460,8 +460,8 @@ class StaticTarget:
                     dst.copy_(src), [_copy_into(copies[n], per_device.tensors[n]) for n in copies]))
 
             def segment(inp=received, start=start, end=end, k=k):
-                with grouped_attention_in(self.config):
-                    out = self._run_layers(inp, per_device, captured, commit, start, end)
+                with grouped_attention_in(self.config):  # a copy: the layers update it in place
+                    out = self._run_layers(inp.clone(), per_device, captured, commit, start, end)
                 return self._tail(out, captured, last_only) if k == last else out
 
             keep.append(received)
@@ -525,7 +525,10 @@ class StaticTarget:
         return VerifyOutput(logits=logits, taps=self._taps(captured))
 
     def _layers(self, hidden, per_device: _PerDevice, captured: dict, commit: bool, start: int, end: int):
-        """Decoder layers start..end-1 over the pass's hidden states [1, q, H]; fills ``captured`` with taps."""
+        """Decoder layers start..end-1 over the pass's hidden states [1, q, H]; fills ``captured`` with taps.
+
+        The layers update the hidden state in place (the residual sums land in the projections'
+        epilogues), so ``hidden`` must be the pass's own tensor, and a tap is a copy."""
         for i in range(start, end):
             layer = self.layers[i]
             on = per_device.get(self.layer_devices[i])
@@ -536,7 +539,7 @@ class StaticTarget:
             else:
                 hidden = self._module_layer(i, layer, hidden, on, commit)
             if i in self.tap_layer_ids:
-                captured[i] = hidden
+                captured[i] = hidden.clone()
         return hidden
 
     def _module_layer(self, i: int, layer: nn.Module, hidden: torch.Tensor, on: dict, commit: bool) -> torch.Tensor:
@@ -544,7 +547,7 @@ class StaticTarget:
         block = self.linear_blocks.get(i)  # the fused norms and MLP around a GDN mixer, if any
         mixed = block.norm(hidden) if block is not None else layer.input_layernorm(hidden)
         if self.layer_types[i] == "linear_attention":
-            # with the fused block the mixer returns hidden + its output (the sum in out_proj's epilogue)
+            # with the fused block the mixer adds its output to hidden in place (in out_proj's epilogue)
             residual = hidden if block is not None else None
             mixed, pending = self.gdn[i](mixed, on["tree"], self.conv_windows[i], self.states[i], commit, residual)
             if pending is not None:
