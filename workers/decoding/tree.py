@@ -23,6 +23,7 @@ from typing import ClassVar
 import torch
 
 from workers.decoding.knobs import Knob, MethodParams
+from workers.models.deltanet import triton_available
 from workers.seam import DraftTree
 
 
@@ -54,10 +55,12 @@ class TreeParams(MethodParams):
             raise ValueError(f"branching must be >= 1, got {self.branching}")
 
 
-def build_tree(draft_log_probs: torch.Tensor, params: TreeParams) -> DraftTree:
+def build_tree(draft_log_probs: torch.Tensor, params: TreeParams, kernels: bool | None = None) -> DraftTree:
     """draft_log_probs [L, V] (log-softmax of the drafter, one row per future position) -> DraftTree.
 
     Path log-probs are summed in float64 (root to leaf), so the order of near-equal prefixes is stable.
+    ``kernels``: the depths, merge and ancestor matrix as ``tree_triton``'s few kernels (the same
+    tree, bit for bit); None: on CUDA when Triton is installed.
     """
     num_positions, vocab_size = draft_log_probs.shape
     device = draft_log_probs.device
@@ -67,6 +70,11 @@ def build_tree(draft_log_probs: torch.Tensor, params: TreeParams) -> DraftTree:
         top_k = min(top_k, params.branching)
     top_vals, top_ids = torch.topk(draft_log_probs[:depth_limit], k=top_k, dim=-1)  # [D, K], best first
     top_vals = top_vals.double()
+    pairs = _level_pairs(depth_limit, top_k, params.budget, device)
+    if draft_log_probs.is_cuda and triton_available() if kernels is None else kernels:
+        from workers.decoding.tree_triton import best_prefixes
+
+        return DraftTree(*best_prefixes(top_vals, top_ids, params.budget, pairs))
 
     # Per depth, the kept prefixes best first: path score, parent entry and token. Entries are
     # numbered across depths (depth 1 first); the root is entry -1. Candidates are enumerated
@@ -74,8 +82,7 @@ def build_tree(draft_log_probs: torch.Tensor, params: TreeParams) -> DraftTree:
     scores = torch.zeros(1, dtype=torch.float64, device=device)  # the root
     parent_offset, next_offset = -1, 0  # entry number of the previous depth's first prefix, of this one's
     levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    for depth in range(depth_limit):
-        parent, rank = _candidate_pairs(scores.numel(), top_k, params.budget, device)
+    for depth, (parent, rank) in enumerate(pairs):
         candidates = scores[parent] + top_vals[depth, rank]  # [C]
         best = torch.sort(candidates, descending=True, stable=True).indices[: params.budget]
         scores = candidates[best]
@@ -99,6 +106,18 @@ def build_tree(draft_log_probs: torch.Tensor, params: TreeParams) -> DraftTree:
     )
 
 
+def _level_pairs(depth_limit: int, top_k: int, budget: int,
+                 device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each depth's candidate (parent, rank) pairs: the previous depth keeps min(budget, its
+    candidates) prefixes (the root alone before depth 1), whose children these are."""
+    pairs, parents = [], 1
+    for _ in range(depth_limit):
+        parent, rank = _candidate_pairs(parents, top_k, budget, device)
+        pairs.append((parent, rank))
+        parents = min(budget, parent.numel())
+    return pairs
+
+
 @functools.lru_cache(maxsize=64)
 def _candidate_pairs(
     num_parents: int, top_k: int, budget: int, device: torch.device
@@ -111,7 +130,7 @@ def _candidate_pairs(
     (the first call of a captured tree build runs outside the capture, so no copy happens inside it).
     """
     pairs = [(j, r) for j in range(num_parents) for r in range(min(top_k, budget // (j + 1)))]
-    parent, rank = torch.tensor(pairs, dtype=torch.long).T
+    parent, rank = torch.tensor(pairs, dtype=torch.long).T.contiguous()  # (the kernels read them flat)
     return parent.to(device), rank.to(device)
 
 

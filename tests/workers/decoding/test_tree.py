@@ -403,3 +403,28 @@ def test_follow_tree_rejects_at_root():
     assert path.tolist() == [0] and int(next_token) == 2
     path, next_token = follow_tree(tree.tokens, tree.parents, tree.visibility, torch.tensor([0, 1]))
     assert path.tolist() == [0, 1] and int(next_token) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_tree_build_kernels_equal_the_torch_build_on_cuda():
+    """On CUDA ``build_tree`` runs ``tree_triton``'s kernels: the same tree as the torch build on the
+    same top-K, bit for bit (exact ties included), from budgets of 1 to 1024, also replayed from a graph."""
+    from workers.models.graph_cache import capture
+
+    rng = np.random.default_rng(3)
+    cases = [(rng.normal(size=(15, 5000)) * 3, TreeParams(budget)) for budget in (1, 16, 64, 256, 1024)]
+    cases += [(np.round(rng.normal(size=(15, 50)) * 2), TreeParams(200, max_depth=9, branching=6))]  # ties
+    for _ in range(30):
+        positions, vocab = int(rng.integers(1, 16)), int(rng.integers(2, 300))
+        logits = rng.normal(size=(positions, vocab)) * rng.uniform(0.3, 4.0)
+        cases.append((np.round(logits) if rng.random() < 0.5 else logits,
+                      TreeParams(int(rng.integers(1, 300)), int(rng.integers(1, 16)), int(rng.integers(1, vocab + 2)))))
+    for logits, params in cases:
+        log_probs = torch.log_softmax(torch.tensor(logits, dtype=torch.float32, device="cuda"), dim=-1)
+        want = build_tree(log_probs, params, kernels=False)
+        graph, replayed = capture(lambda lp=log_probs, p=params: build_tree(lp, p))
+        graph.replay()
+        for got in (build_tree(log_probs, params), replayed):
+            for name in ("tokens", "depths", "parents", "visibility", "log_probs"):
+                assert torch.equal(getattr(got, name), getattr(want, name)), (name, params)

@@ -1,4 +1,4 @@
-"""The hybrid targets' Triton kernels against their torch forms on CPU, through Triton's interpreter.
+"""The Triton kernels (hybrid layers, DDTree's tree build) against their torch forms, through Triton's interpreter.
 
 The GPU-marked tests are the proof on hardware. These run the same kernels' Python on CPU tensors, in
 float32 and float16 (the interpreter has no bfloat16), at small head sizes, so that every CI run checks
@@ -155,3 +155,29 @@ def test_the_hybrid_layers_small_kernels_equal_their_torch_forms(dtype):
         results.append((run(heads, q_norm, k_norm, inputs, kv, hq, hkv), kv))
     for got, want in zip(results[1], results[0]):
         torch.testing.assert_close(got, want, **tolerance)
+
+
+def test_the_tree_build_kernels_equal_the_torch_build():
+    """DDTree's tree build (one kernel per depth, the merge, the ancestor matrix) against the torch
+    build, field for field and bit for bit, on random drafter rows with and without exact ties (rounded
+    logits) and random budgets, depth caps and branching."""
+    import numpy as np
+
+    from workers.decoding.tree import TreeParams, build_tree
+
+    rng = np.random.default_rng(0)
+    cases = []
+    for case in range(40):
+        positions, vocab = int(rng.integers(1, 8)), int(rng.integers(2, 12))
+        logits = rng.normal(size=(positions, vocab)) * rng.uniform(0.3, 4.0)
+        depth = None if rng.random() < 0.4 else int(rng.integers(1, positions + 3))
+        branching = None if rng.random() < 0.4 else int(rng.integers(1, vocab + 2))
+        params = TreeParams(int(rng.integers(1, 80)), depth, branching)
+        cases.append((np.round(logits) if case % 2 else logits, params))
+    cases.append((rng.normal(size=(15, 40)) * 3, TreeParams(100)))  # a deep tree, more candidates than a block
+    for logits, params in cases:
+        log_probs = torch.log_softmax(torch.tensor(logits, dtype=torch.float32), dim=-1)
+        want, got = build_tree(log_probs, params, kernels=False), build_tree(log_probs, params, kernels=True)
+        for name in ("tokens", "depths", "parents", "visibility", "log_probs"):
+            expected, actual = getattr(want, name), getattr(got, name)
+            assert actual.dtype == expected.dtype and torch.equal(actual, expected), (name, params)

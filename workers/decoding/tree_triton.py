@@ -1,0 +1,150 @@
+"""DDTree's tree build as a few Triton kernels (CUDA; ``tree.build_tree`` calls it there).
+
+``tree.build_tree`` in torch issues ~12 small kernels per depth plus the merge and the ancestor
+matrix, about 290 launches for a 15-deep tree: ~1 ms a round even replayed from a CUDA graph, for
+work worth microseconds. Here each depth is one kernel, the merge one, and the outputs one:
+
+    depth d:  candidate c = (kept parent j, token rank r), score = parent score + top_vals[d, r];
+              its place in the depth's best-first order = #{candidates that beat it}, where c' beats
+              c if its score is higher, or equal with c' enumerated first; the first ``keep`` places
+              are written (score, parent entry, token)
+    merge:    the same count over all depths' entries (depth order, each depth best first) gives
+              each entry's node index; the first ``budget`` become nodes 1..n
+    finish:   the nodes' tokens, depths, log-probs and parents, and the ancestor matrix (each row
+              walks its node's entries up to the root)
+
+Counting who beats whom is exactly a stable descending sort, so the tree equals the torch build's
+bit for bit, ties included (``tests/workers/decoding/test_tree_triton.py`` on a GPU,
+``tests/workers/models/test_interpreted_kernels.py`` through Triton's CPU interpreter). Scores are
+float64, as in the torch build. The count is quadratic in a depth's candidates (~budget x ln budget)
+but spread over the GPU: cheap next to the launches it replaces.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 64  # candidates (or entries) per program, and per step of the count
+
+
+@triton.jit
+def _load_candidates(SCORE, TOP_VALS, PARENT, RANK, c, valid, parent_offset, top_row):
+    """Scores of candidates c: the parent's path score (the root's is 0) plus the token's log-prob at
+    this depth (row ``top_row`` of TOP_VALS)."""
+    parent = tl.load(PARENT + c, mask=valid, other=0)
+    rank = tl.load(RANK + c, mask=valid, other=0)
+    parent_score = tl.load(SCORE + parent_offset + parent, mask=valid & (parent_offset >= 0), other=0.0)
+    return parent, rank, parent_score + tl.load(TOP_VALS + top_row + rank, mask=valid, other=0.0)
+
+
+@triton.jit
+def _beaten_by(score, e, other_score, other, in_range):
+    """[n] how many of the others beat each entry e: a higher score, or an equal one enumerated first."""
+    beats = (other_score[None, :] > score[:, None]) | ((other_score[None, :] == score[:, None])
+                                                         & (other[None, :] < e[:, None]))
+    return tl.sum((beats & in_range[None, :]).to(tl.int32), axis=1)
+
+
+@triton.jit
+def _tree_depth_kernel(TOP_VALS, TOP_IDS, PARENT, RANK, SCORE, PARENT_ENTRY, TOKEN, DEPTH,
+                  count, keep, parent_offset, offset, depth, top_k, BLOCK: tl.constexpr):
+    """Depth ``depth`` (1..D): its ``count`` candidates (PARENT / RANK [count]), children of the
+    previous depth's entries from ``parent_offset`` on (-1: the root); its ``keep`` best written as
+    entries offset..offset+keep-1 of SCORE / PARENT_ENTRY / TOKEN / DEPTH, best first. Each program
+    recomputes the scores it compares against (a gather and an add) rather than reading them from a
+    launch before."""
+    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = c < count
+    top_row = (depth - 1) * top_k
+    parent, rank, score = _load_candidates(SCORE, TOP_VALS, PARENT, RANK, c, valid, parent_offset, top_row)
+    place = tl.zeros((BLOCK,), dtype=tl.int32)
+    for start in range(0, count, BLOCK):
+        other = start + tl.arange(0, BLOCK)
+        in_range = other < count
+        _, _, other_score = _load_candidates(SCORE, TOP_VALS, PARENT, RANK, other, in_range, parent_offset, top_row)
+        place += _beaten_by(score, c, other_score, other, in_range)
+    kept = valid & (place < keep)
+    entry = offset + place
+    tl.store(SCORE + entry, score, mask=kept)
+    tl.store(PARENT_ENTRY + entry, tl.where(parent_offset >= 0, parent + parent_offset, -1), mask=kept)
+    tl.store(TOKEN + entry, tl.load(TOP_IDS + top_row + rank, mask=valid, other=0), mask=kept)
+    tl.store(DEPTH + entry, tl.zeros_like(place).to(tl.int64) + depth, mask=kept)
+
+
+@triton.jit
+def _tree_merge_kernel(SCORE, ORDER, NODE_OF, count, nodes, BLOCK: tl.constexpr):
+    """Entries [count] in depth order -> ORDER [nodes] (node i+1 = entry ORDER[i]) and NODE_OF [count]
+    (entry -> its node index, for the kept entries)."""
+    e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = e < count
+    score = tl.load(SCORE + e, mask=valid, other=0.0)
+    place = tl.zeros((BLOCK,), dtype=tl.int32)
+    for start in range(0, count, BLOCK):
+        other = start + tl.arange(0, BLOCK)
+        in_range = other < count
+        place += _beaten_by(score, e, tl.load(SCORE + other, mask=in_range, other=0.0), other, in_range)
+    kept = valid & (place < nodes)
+    tl.store(ORDER + place, e.to(tl.int64), mask=kept)
+    tl.store(NODE_OF + e, (place + 1).to(tl.int64), mask=kept)
+
+
+@triton.jit
+def _tree_finish_kernel(ORDER, NODE_OF, SCORE, PARENT_ENTRY, TOKEN, DEPTH, TOKENS, DEPTHS, LOG_PROBS, PARENTS,
+                   VISIBLE, nodes, max_depth, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Program (block of rows 0..nodes of the ancestor matrix, block of its columns): VISIBLE
+    [nodes+1, nodes+1] (uint8), row r = node r, its ancestors and the root; each row walks its entry's
+    parents (at most max_depth). The column-block-0 programs also write the nodes' fields."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    is_node = (r >= 1) & (r <= nodes)
+    entry = tl.load(ORDER + r - 1, mask=is_node, other=-1)
+    if tl.program_id(1) == 0:
+        parent_entry = tl.load(PARENT_ENTRY + entry, mask=is_node, other=-1)
+        parent = tl.load(NODE_OF + parent_entry, mask=parent_entry >= 0, other=0)  # the root: node 0
+        tl.store(TOKENS + r - 1, tl.load(TOKEN + entry, mask=is_node, other=0), mask=is_node)
+        tl.store(DEPTHS + r - 1, tl.load(DEPTH + entry, mask=is_node, other=0), mask=is_node)
+        tl.store(LOG_PROBS + r - 1, tl.load(SCORE + entry, mask=is_node, other=0.0), mask=is_node)
+        tl.store(PARENTS + r, tl.where(r == 0, -1, parent), mask=r <= nodes)
+    visible = (cols[None, :] == 0) | (cols[None, :] == r[:, None])
+    for _ in range(max_depth):  # a loop, not unrolled: one [ROWS, COLS] tile live
+        entry = tl.load(PARENT_ENTRY + entry, mask=entry >= 0, other=-1)
+        ancestor = tl.load(NODE_OF + entry, mask=entry >= 0, other=0)
+        visible |= cols[None, :] == ancestor[:, None]
+    tl.store(VISIBLE + r[:, None] * (nodes + 1) + cols[None, :], visible.to(tl.uint8),
+             mask=(r <= nodes)[:, None] & (cols <= nodes)[None, :])
+
+
+def best_prefixes(top_vals: torch.Tensor, top_ids: torch.Tensor, budget: int,
+                  pairs: list[tuple[torch.Tensor, torch.Tensor]]):
+    """The best-first tree from each depth's top-K: top_vals [D, K] float64 log-probs (best first),
+    top_ids [D, K] their tokens, pairs[d] = (parent, rank) of depth d's candidates (parent-major, as
+    ``tree._candidate_pairs`` enumerates them). Returns (tokens [n], depths [n], parents [n+1],
+    visibility [n+1, n+1] bool, log_probs [n] float64), as ``tree.build_tree``."""
+    device = top_vals.device
+    keeps = [min(budget, parent.numel()) for parent, _ in pairs]
+    entries = sum(keeps)
+    nodes = min(budget, entries)
+    score = torch.empty(entries, dtype=torch.float64, device=device)
+    parent_entry, token, depth_of = (torch.empty(entries, dtype=torch.long, device=device) for _ in range(3))
+    top_vals, top_ids = top_vals.contiguous(), top_ids.contiguous()
+    offset, parent_offset = 0, -1  # the first entry of this depth, of the one before (-1: the root)
+    for depth, ((parent, rank), keep) in enumerate(zip(pairs, keeps), 1):
+        count = parent.numel()
+        _tree_depth_kernel[(triton.cdiv(count, BLOCK),)](
+            top_vals, top_ids, parent, rank, score, parent_entry, token, depth_of, count, keep, parent_offset,
+            offset, depth, top_vals.shape[1], BLOCK=BLOCK, num_warps=4)
+        parent_offset, offset = offset, offset + keep
+    order = torch.empty(nodes, dtype=torch.long, device=device)
+    node_of = torch.empty(entries, dtype=torch.long, device=device)
+    _tree_merge_kernel[(triton.cdiv(entries, BLOCK),)](score, order, node_of, entries, nodes, BLOCK=BLOCK, num_warps=4)
+    tokens, depths = (torch.empty(nodes, dtype=torch.long, device=device) for _ in range(2))
+    log_probs = torch.empty(nodes, dtype=torch.float64, device=device)
+    parents = torch.empty(nodes + 1, dtype=torch.long, device=device)
+    visible = torch.empty(nodes + 1, nodes + 1, dtype=torch.uint8, device=device)
+    rows, cols = 16, 128
+    _tree_finish_kernel[(triton.cdiv(nodes + 1, rows), triton.cdiv(nodes + 1, cols))](
+        order, node_of, score, parent_entry, token, depth_of, tokens, depths, log_probs, parents, visible, nodes,
+        len(pairs), ROWS=rows, COLS=cols, num_warps=4)
+    return tokens, depths, parents, visible.view(torch.bool), log_probs
