@@ -23,19 +23,19 @@ from workers.models.attention import attend_folded
 from workers.models.kernel_inputs import attention_pass_inputs
 from workers.models.shapes import TARGETS
 
-TILES = [(64, 64, 8, 2), (64, 32, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2), (128, 64, 8, 2), (64, 64, 8, 3)]
+TILES = [(64, 64, 8, 2), (64, 32, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2), (128, 32, 8, 2), (64, 32, 8, 3)]
 
 
 def with_tiles(tiles: tuple[int, int, int, int], fn):
-    """fn() with the kernel's module constants set to ``tiles`` (rows, keys, warps, stages)."""
-    saved = (attention_triton.ROW_BLOCK, attention_triton.KEY_BLOCK, attention_triton.WARPS, attention_triton.STAGES)
-    (attention_triton.ROW_BLOCK, attention_triton.KEY_BLOCK, attention_triton.WARPS, attention_triton.STAGES) = tiles
-    attention_triton._TOO_LARGE.clear()
+    """fn() with the kernel's tiles set to ``tiles`` (rows, keys, warps, stages) alone."""
+    saved = (attention_triton.ROW_BLOCK, attention_triton.TILES)
+    attention_triton.ROW_BLOCK, attention_triton.TILES = tiles[0], (tiles[1:],)
+    attention_triton._CHOSEN.clear()
     try:
         return fn()
     finally:
-        (attention_triton.ROW_BLOCK, attention_triton.KEY_BLOCK, attention_triton.WARPS,
-         attention_triton.STAGES) = saved
+        attention_triton.ROW_BLOCK, attention_triton.TILES = saved
+        attention_triton._CHOSEN.clear()
 
 
 @torch.inference_mode()

@@ -23,16 +23,17 @@ from dataclasses import dataclass, field
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 
+from workers.decoding import tree_triton
+from workers.decoding.tree import TreeParams, build_tree
 from workers.models import attention_triton, deltanet, fused_hybrid_triton, gdn_triton
 from workers.models.shapes import TARGETS
 
 # the most shared memory one block may use (opt-in), per compute capability (CUDA programming guide)
 SHARED_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448}
-POINTER = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64",
-           torch.int32: "*i32", torch.uint8: "*u8", torch.bool: "*i1"}
 
 
 @dataclass
@@ -43,25 +44,30 @@ class Launch:
     kernel: triton.runtime.JITFunction
     args: tuple
     kwargs: dict = field(default_factory=dict)
+    family: str = ""  # launches that stand in for each other (tiles tried in order): one of them must fit
 
     def source(self) -> tuple[ASTSource, dict]:
+        """The kernel specialised as Triton's launcher would for these arguments: 16-byte aligned
+        pointers and integers divisible by 16 marked so (without that, loads are not vectorised and
+        the software pipeline never starts, so shared memory and registers would be misreported),
+        integers equal to 1 made constants."""
         values = dict(zip(self.kernel.arg_names, self.args)) | {
             k: v for k, v in self.kwargs.items() if k in self.kernel.arg_names}
-        signature, constants = {}, {}
-        for param in self.kernel.params:
+        signature, constants, attrs = {}, {}, {}
+        for index, param in enumerate(self.kernel.params):
             value = values[param.name]
             if param.is_constexpr:
                 signature[param.name], constants[param.name] = "constexpr", value
-            elif isinstance(value, torch.Tensor):
-                signature[param.name] = POINTER[value.dtype]
-            elif isinstance(value, bool):
-                signature[param.name] = "i1"
-            elif isinstance(value, int):
-                signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-            else:
-                signature[param.name] = "fp32"
+                continue
+            kind, spec = native_specialize_impl(BaseBackend, value, False, not param.do_not_specialize,
+                                                not param.do_not_specialize_on_alignment)
+            signature[param.name] = kind
+            if kind == "constexpr":
+                constants[param.name] = spec
+            elif spec:
+                attrs[(index,)] = BaseBackend.parse_attr(spec)
         options = {"num_warps": self.kwargs.get("num_warps", 4), "num_stages": self.kwargs.get("num_stages", 3)}
-        return ASTSource(self.kernel, signature, constexprs=constants), options
+        return ASTSource(self.kernel, signature, constexprs=constants, attrs=attrs), options
 
 
 @contextmanager
@@ -120,10 +126,24 @@ def launches(shape: dict, q: int = 257) -> list[Launch]:
     kv = torch.zeros(2, 1, kv_heads, capacity, head_dim, dtype=bf16)
     slots = torch.arange(q) + 1024
     for splits in (1, 4):
-        with (recording(attention_triton, "_attention_kernel", f"verify attention ({splits} key splits)", out),
-              recording(attention_triton, "_merge_kernel", f"verify attention's merge ({splits} key splits)", out)):
-            attention_triton.attend_until(torch.zeros(kv_heads, rows, head_dim, dtype=bf16), kv[0, 0], kv[1, 0],
-                                          torch.zeros(rows, capacity, dtype=bf16), slots, head_dim**-0.5, splits)
+        for keys, warps, stages in attention_triton.TILES:  # each tried in turn until one fits the GPU
+            attention: list[Launch] = []
+            family = f"verify attention ({splits} key splits)"
+            with (recording(attention_triton, "_attention_kernel", f"{family[:-1]}, {keys}x{warps}x{stages})",
+                            attention),
+                  recording(attention_triton, "_merge_kernel", f"verify attention's merge ({splits} key splits)",
+                            attention)):
+                attention_triton._CHOSEN.clear()
+                saved, attention_triton.TILES = attention_triton.TILES, ((keys, warps, stages),)
+                try:
+                    attention_triton.attend_until(torch.zeros(kv_heads, rows, head_dim, dtype=bf16), kv[0, 0],
+                                                  kv[1, 0], torch.zeros(rows, capacity, dtype=bf16), slots,
+                                                  head_dim**-0.5, splits)
+                finally:
+                    attention_triton.TILES = saved
+                    attention_triton._CHOSEN.clear()
+            attention[0].family = family
+            out += attention[:1] if (keys, warps, stages) != attention_triton.TILES[0] else attention
     with recording(fused_hybrid_triton, "_heads_kernel", "attention heads (norm, rotary, K/V write)", out):
         fused_hybrid_triton.norm_rotate_heads(torch.zeros(q, 2 * heads + 2 * kv_heads, head_dim, dtype=bf16),
                                               torch.zeros(head_dim, dtype=bf16), torch.zeros(head_dim, dtype=bf16),
@@ -134,7 +154,12 @@ def launches(shape: dict, q: int = 257) -> list[Launch]:
                                               torch.zeros(shape["hidden_size"], dtype=bf16), 1e-6)
     with recording(fused_hybrid_triton, "_silu_mul_kernel", "MLP silu(gate) * up", out):
         fused_hybrid_triton.silu_mul(torch.zeros(q, 2 * shape["intermediate_size"], dtype=bf16))
-    return out
+    tree: list[Launch] = []  # DDTree's build at B = q - 1: one launch per depth, the merge, the outputs
+    with (recording(tree_triton, "_tree_depth_kernel", "tree build: a depth", tree),
+          recording(tree_triton, "_tree_merge_kernel", "tree build: the merge", tree),
+          recording(tree_triton, "_tree_finish_kernel", "tree build: nodes, ancestors", tree)):
+        build_tree(torch.log_softmax(torch.randn(15, shape["vocab_size"]), dim=-1), TreeParams(q - 1), kernels=True)
+    return out + list({launch.label: launch for launch in tree}.values())
 
 
 def resources(launch: Launch, arch: int) -> dict:
@@ -161,19 +186,24 @@ def main() -> int:
         parser.error(f"--shape {args.shape}: not a hybrid (Gated DeltaNet) target; these kernels are the hybrids'")
     print(f"{args.shape}: Triton {triton.__version__}; per architecture: shared = bytes per block / the "
           "most a block may have, regs = registers per thread, stack = bytes spilled per thread")
-    print(f"{'kernel':<44}{'warps':>6}" + "".join(f"{f'sm_{a} shared':>20}{'regs':>6}{'stack':>7}" for a in arches))
-    problems = []
+    print(f"{'kernel':<52}{'warps':>6}" + "".join(f"{f'sm_{a} shared':>20}{'regs':>6}{'stack':>7}" for a in arches))
+    problems, fitting = [], {}  # fitting: (family, arch) -> whether some launch of the family fits
     for launch in launches(shape):
-        row = f"{launch.label:<44}{launch.kwargs.get('num_warps', 4):>6}"
+        row = f"{launch.label:<52}{launch.kwargs.get('num_warps', 4):>6}"
         for arch in arches:
             used = resources(launch, arch)
             limit = SHARED_LIMIT.get(arch)
             row += f"{used['shared']:>13}/{limit or '?':<6}{used['regs']:>6}{used['stack']:>7}"
-            if limit is not None and used["shared"] > limit:
+            fits = limit is None or used["shared"] <= limit
+            if launch.family:
+                fitting[launch.family, arch] = fitting.get((launch.family, arch), False) or fits
+            elif not fits:
                 problems.append(f"{launch.label} needs {used['shared']} B of shared memory; sm_{arch} has {limit}")
-            if used["stack"]:
+            if used["stack"] and fits:
                 problems.append(f"{launch.label} spills on sm_{arch} ({used['stack']} B of stack per thread)")
         print(row)
+    problems += [f"no tiles of {family} fit sm_{arch}'s shared memory" for (family, arch), fits in fitting.items()
+                 if not fits]
     print("\n".join(problems) if problems else "every kernel fits every architecture, with no spills")
     return 0
 

@@ -25,8 +25,11 @@ from triton.runtime.errors import OutOfResources
 
 from workers.models.attention import MAX_KEY_SPLITS, ROW_BLOCK
 
-KEY_BLOCK = 64  # keys per step (rows per program: ``attention.ROW_BLOCK``)
-WARPS, STAGES = 8, 2  # the tiles' launch options (``benchmarks/attention_kernels.py`` times others)
+# (keys per step, warps, pipeline stages), tried in this order on each device and head size until one
+# compiles within its shared memory (rows per program: ``attention.ROW_BLOCK``). At D = 256 the first
+# takes 168 KB a block, which an H200 has; an RTX A6000 (99 KB) takes the second, 72 KB
+# (``benchmarks/kernel_resources.py``; ``benchmarks/attention_kernels.py`` times others).
+TILES = ((64, 8, 2), (32, 8, 2))
 
 
 @triton.jit
@@ -120,16 +123,17 @@ def _merge_kernel(PARTIAL, STATS, OUT, count, D: tl.constexpr, SPLITS: tl.conste
 
 MERGE_ROWS = 16  # folded rows per program of the splits' merge
 
-_TOO_LARGE: set[tuple[str, int]] = set()  # (device, head size) whose tiles need more shared memory than it has
+# (device, head size) -> the first of TILES that fit its shared memory, or None: none did (SDPA then)
+_CHOSEN: dict[tuple[str, int], tuple[int, int, int] | None] = {}
 
 
 def supports(query: torch.Tensor, key: torch.Tensor) -> bool:
-    """Half-precision inputs, a power-of-two head size the tiles take, rows contiguous, and tiles that
-    have fit this GPU's shared memory (an H200 has room for them at D = 256; smaller GPUs may not)."""
+    """Half-precision inputs, a power-of-two head size the tiles take, rows contiguous, and not a GPU
+    found to lack the shared memory for every choice of tiles."""
     dim = query.shape[-1]
     return (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and key.dtype == query.dtype
             and 16 <= dim <= 256 and dim & (dim - 1) == 0 and key.stride(-1) == 1
-            and (str(query.device), dim) not in _TOO_LARGE)
+            and _CHOSEN.get((str(query.device), dim), ()) is not None)
 
 
 def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
@@ -139,7 +143,7 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     ``slots`` (the pass's K/V slots; every later key must be masked) -> [Hkv, R, D]. The keys before
     the first slot (the committed past) must be visible to every row: the mask is read from there on.
     ``splits``: of the keys (None: enough programs to fill the GPU twice, at most ``MAX_KEY_SPLITS``).
-    None (and ``supports`` false from then on) if this GPU lacks the shared memory for the tiles."""
+    None (and ``supports`` false from then on) if this GPU lacks the shared memory for every TILES."""
     heads, rows, dim = query.shape
     query = query.contiguous()
     mask = mask if mask.stride(-1) == 1 else mask.contiguous()
@@ -152,14 +156,21 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     if splits > 1:
         partial = torch.empty(splits, heads, rows, dim, dtype=torch.float32, device=query.device)
         stats = torch.empty(splits, heads, rows, 2, dtype=torch.float32, device=query.device)
-    try:
-        _attention_kernel[(blocks, heads, splits)](
-            query, key, value, mask, slots, out, partial, stats, rows, slots.shape[0] - 1, key.stride(0),
-            key.stride(1), mask.stride(0), scale, D=dim, BM=ROW_BLOCK, BN=KEY_BLOCK, SPLITS=splits, num_warps=WARPS,
-            num_stages=STAGES,
-        )
-    except OutOfResources:  # raised when compiling, before any launch
-        _TOO_LARGE.add((str(query.device), dim))
+    chosen = (str(query.device), dim)
+    for tiles in (_CHOSEN[chosen],) if chosen in _CHOSEN else TILES:
+        keys, warps, stages = tiles
+        try:
+            _attention_kernel[(blocks, heads, splits)](
+                query, key, value, mask, slots, out, partial, stats, rows, slots.shape[0] - 1, key.stride(0),
+                key.stride(1), mask.stride(0), scale, D=dim, BM=ROW_BLOCK, BN=keys, SPLITS=splits, num_warps=warps,
+                num_stages=stages,
+            )
+        except OutOfResources:  # raised when compiling, before any launch: the next tiles
+            continue
+        _CHOSEN[chosen] = tiles
+        break
+    else:
+        _CHOSEN[chosen] = None
         return None
     if splits > 1:
         _merge_kernel[(triton.cdiv(heads * rows, MERGE_ROWS),)](partial, stats, out, heads * rows, D=dim,

@@ -44,14 +44,29 @@ def test_triton_attention_equals_sdpa_and_stops_at_the_last_slot(dtype, heads, g
 
 @torch.inference_mode()
 def test_tiles_too_large_for_the_gpu_fall_back_to_sdpa(monkeypatch):
-    """A GPU without the shared memory for the tiles (the kernel fails to compile): attend_folded gives
-    SDPA's result and stops trying the kernel on that device and head size."""
+    """A GPU without the shared memory for any of the tiles (the kernel fails to compile with each):
+    attend_folded gives SDPA's result and stops trying the kernel on that device and head size."""
     from workers.models import attention_triton
 
     query, key, value, mask, slots = pass_inputs(4, 6, 100, 700, 50, 128, torch.bfloat16, 0)
     want = attend_folded(query, key[:, :150], value[:, :150], mask[:, :150], 128**-0.5)
-    monkeypatch.setattr(attention_triton, "KEY_BLOCK", 1024)  # K and V tiles of 1024 x 128: over any GPU's limit
-    monkeypatch.setattr(attention_triton, "_TOO_LARGE", set())
+    monkeypatch.setattr(attention_triton, "TILES", ((1024, 8, 2), (512, 8, 1)))  # K and V tiles over any GPU's limit
+    monkeypatch.setattr(attention_triton, "_CHOSEN", {})
     got = attend_folded(query, torch.nan_to_num(key), torch.nan_to_num(value), mask, 128**-0.5, slots=slots)
     torch.testing.assert_close(got, want)
     assert not attention_triton.supports(query, key)
+
+
+@torch.inference_mode()
+def test_tiles_too_large_for_the_gpu_fall_back_to_the_next_tiles(monkeypatch):
+    """Tiles over the GPU's shared memory, then tiles that fit: the kernel runs with the second (as an
+    RTX A6000 does with the default tiles at D = 256) and keeps them for the device and head size."""
+    from workers.models import attention_triton
+
+    query, key, value, mask, slots = pass_inputs(4, 6, 100, 700, 50, 128, torch.bfloat16, 0)
+    want = attend_folded(query, key[:, :150], value[:, :150], mask[:, :150], 128**-0.5)
+    monkeypatch.setattr(attention_triton, "TILES", ((1024, 8, 2), (32, 4, 2)))
+    monkeypatch.setattr(attention_triton, "_CHOSEN", {})
+    got = attention_triton.attend_until(query, key, value, mask, slots, 128**-0.5)
+    assert got is not None and attention_triton._CHOSEN == {(str(query.device), 128): (32, 4, 2)}
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

@@ -27,10 +27,33 @@ def load_tool():
 
 
 def test_every_kernel_fits_an_a6000s_shared_memory():
+    """Compiled as Triton's launcher specialises them (aligned pointers: vectorised, software-pipelined
+    loads, whose stages take shared memory). A kernel with tiles tried in turn (the verify attention)
+    needs one choice that fits."""
     tool = load_tool()
     launches = tool.launches(TARGETS["qwen3.6-27b"])
     assert {launch.label.split(" (")[0] for launch in launches} >= {
-        "GDN prologue", "GDN tree blocks + gated norm", "verify attention", "GDN commit"}
+        "GDN prologue", "GDN tree blocks + gated norm", "verify attention", "GDN commit", "tree build: a depth"}
+    families: dict[str, list[bool]] = {}
     for launch in launches:
-        used = tool.resources(launch, 86)
-        assert used["shared"] <= tool.SHARED_LIMIT[86], (launch.label, used)
+        fits = tool.resources(launch, 86)["shared"] <= tool.SHARED_LIMIT[86]
+        if launch.family:
+            families.setdefault(launch.family, []).append(fits)
+        else:
+            assert fits, launch.label
+    assert families and all(any(fits) for fits in families.values()), families
+
+
+def test_the_launch_specialisation_is_triton_s():
+    """The tool compiles what a launch would run: the verify attention's default tiles pipeline their
+    K/V loads (asynchronous copies into shared memory), which an unspecialised compile does not."""
+    import re
+
+    from triton.backends.compiler import GPUTarget
+
+    tool = load_tool()
+    launches = tool.launches(TARGETS["qwen3.6-27b"])
+    launch = next(launch for launch in launches if launch.label.startswith("verify attention"))
+    source, options = launch.source()
+    ttgir = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ttgir"]
+    assert re.search(r"ttg\.async_copy_global_to_local", ttgir)
