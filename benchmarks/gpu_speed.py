@@ -14,7 +14,8 @@ drafter (5 layers, block 16). Prints, last, one table:
 - the drafter's forward (one block), eager and as a graph, and the tree work per round for
   B = 16..1024 (build on the GPU, unlimited and branching 8; walk; commit);
 - full rounds: AR decode step, DFlash round, DDTree rounds, eager vs graphs (and the split target);
-- checks: graph outputs equal eager outputs (greedy tokens, every method).
+- checks: graph outputs equal eager outputs (greedy tokens, every method);
+- last, issue 12's goals against what this run measured (those it measured).
 """
 
 from __future__ import annotations
@@ -37,6 +38,16 @@ from workers.seam import is_hybrid
 
 QS = "1,16,64,128,256,512"
 BUDGETS = (16, 64, 256, 1024)
+# issue 12's goals: (label, how this run's numbers give it, the bound)
+GOALS = (
+    ("AR decode step / weight floor", lambda m: m["round ar"] / m["floor W"], 1.3),
+    ("verify q=257 tree / max(floors)", lambda m: m["verify 257 tree"] / max(m["floor W"], m["floor C 257"]), 1.5),
+    ("verify q=1025 tree / compute floor", lambda m: m["verify 1025 tree"] / m["floor C 1025"], 1.5),
+    ("DDTree B=64 round / DFlash round", lambda m: m["round ddtree B=64"] / m["round dflash"], 1.15),
+    ("DDTree B=256 round / DFlash round", lambda m: m["round ddtree B=256"] / m["round dflash"], 1.5),
+    ("prefill / compute floor", lambda m: m["prefill graph"] / m["floor C prefill"], 2.0),
+    ("split / unsplit, worst pass or round", lambda m: max(m["split ratios"]), 1.05),
+)
 
 
 def median_ms(fn, reps: int = 20) -> float:
@@ -90,6 +101,7 @@ def main() -> int:
     args = parser.parse_args()
     device = torch.device("cuda")
     lines: list[str] = []
+    measured: dict = {"split ratios": []}  # what the goals table reads
 
     qs = tuple(int(q) for q in args.qs.split(","))
     bandwidth, rate = copy_bandwidth(), matmul_rate()
@@ -100,6 +112,7 @@ def main() -> int:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     matmul_params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
     floor_ms = weight_bytes / bandwidth * 1e3
+    measured["floor W"] = floor_ms
 
     def compute_floor_ms(q: int) -> float:
         return 2 * matmul_params * q / rate * 1e3
@@ -155,6 +168,9 @@ def main() -> int:
                 setup_s = time.perf_counter() - begin
                 fused = f"{median_ms(call, args.reps):.2f} (setup {setup_s:.0f}s)"
             floor = max(floor_ms, compute_floor_ms(q))
+            measured[f"verify {q} {mask}"], measured[f"floor C {q}"] = row[2], compute_floor_ms(q)
+            if split is not None:
+                measured["split ratios"].append(row[3] / row[2])
             lines.append(f"{q:>5} {mask:>5} {row[0]:>9.2f} {row[1]:>9.2f} {row[2]:>9.2f} {floor_ms:>8.2f} "
                          f"{compute_floor_ms(q):>8.2f} {row[2] / floor:>10.2f}x {row[3]:>9.2f} {fused:>18}")
 
@@ -189,6 +205,7 @@ def main() -> int:
         if runner is None:
             continue
         prefill_ms = prefill_only_ms(runner)
+        measured[f"prefill {label}"], measured["floor C prefill"] = prefill_ms, compute_floor_ms(args.context)
         lines.append(f"prefill {args.context} tokens, {label}: {prefill_ms:.1f} ms (chunks of {runner.prefill_chunk}); "
                      f"compute floor {compute_floor_ms(args.context):.1f} ms -> "
                      f"{prefill_ms / compute_floor_ms(args.context):.2f}x")
@@ -197,8 +214,10 @@ def main() -> int:
 
         kernel_breakdown(prefill_once, f"prefill {args.context}", lines, top=args.top)
 
+    if split is not None:
+        measured["split ratios"].append(measured["prefill split graphs"] / measured["prefill graph"])
     if args.only_forwards:
-        print("\n".join(lines))
+        print("\n".join(lines + goal_lines(measured)))
         return 0
 
     # --- drafter and the host-side tree work ----------------------------------------------------------
@@ -262,9 +281,24 @@ def main() -> int:
         per_round = [o.decode_s / max(o.num_rounds, 1) * 1e3 for o in results]
         same = all(r.token_ids == results[0].token_ids for r in results)
         split_ms = per_round[2] if split is not None else float("nan")
+        measured[f"round {name}"] = per_round[1]
+        if split is not None:
+            measured["split ratios"].append(split_ms / per_round[1])
         lines.append(f"{name:>18} {per_round[0]:>15.2f} {per_round[1]:>15.2f} {split_ms:>15.2f} {str(same):>12}")
-    print("\n".join(lines))
+    print("\n".join(lines + goal_lines(measured)))
     return 0
+
+
+def goal_lines(measured: dict) -> list[str]:
+    """Issue 12's goals: this run's ratio against each bound (goals whose numbers it lacks left out)."""
+    lines = [f"{'goal':>38} {'this run':>9} {'bound':>6}"]
+    for label, ratio_of, bound in GOALS:
+        try:
+            ratio = ratio_of(measured)
+        except (KeyError, ValueError):  # not measured in this run (other --qs, --only-forwards, no --split)
+            continue
+        lines.append(f"{label:>38} {ratio:>8.3f}x {bound:>5.2f}x  {'met' if ratio <= bound else 'missed'}")
+    return lines
 
 
 if __name__ == "__main__":
