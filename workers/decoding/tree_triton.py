@@ -27,6 +27,8 @@ import triton
 import triton.language as tl
 
 BLOCK = 64  # candidates (or entries) per program, and per step of the count
+# The kernels' sizes and offsets change with the tree knobs and the depth: they are left unspecialised
+# (``do_not_specialize``), else Triton compiles a variant per divisibility by 16 and per value 1 of each.
 
 
 @triton.jit
@@ -47,7 +49,7 @@ def _beaten_by(score, e, other_score, other, in_range):
     return tl.sum((beats & in_range[None, :]).to(tl.int32), axis=1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["count", "keep", "parent_offset", "offset", "depth", "top_k"])
 def _tree_depth_kernel(TOP_VALS, TOP_IDS, PARENT, RANK, SCORE, PARENT_ENTRY, TOKEN, DEPTH,
                   count, keep, parent_offset, offset, depth, top_k, BLOCK: tl.constexpr):
     """Depth ``depth`` (1..D): its ``count`` candidates (PARENT / RANK [count]), children of the
@@ -73,7 +75,7 @@ def _tree_depth_kernel(TOP_VALS, TOP_IDS, PARENT, RANK, SCORE, PARENT_ENTRY, TOK
     tl.store(DEPTH + entry, tl.zeros_like(place).to(tl.int64) + depth, mask=kept)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["count", "nodes"])
 def _tree_merge_kernel(SCORE, ORDER, NODE_OF, count, nodes, BLOCK: tl.constexpr):
     """Entries [count] in depth order -> ORDER [nodes] (node i+1 = entry ORDER[i]) and NODE_OF [count]
     (entry -> its node index, for the kept entries)."""
@@ -90,7 +92,7 @@ def _tree_merge_kernel(SCORE, ORDER, NODE_OF, count, nodes, BLOCK: tl.constexpr)
     tl.store(NODE_OF + e, (place + 1).to(tl.int64), mask=kept)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nodes", "max_depth"])
 def _tree_finish_kernel(ORDER, NODE_OF, SCORE, PARENT_ENTRY, TOKEN, DEPTH, TOKENS, DEPTHS, LOG_PROBS, PARENTS,
                    VISIBLE, nodes, max_depth, ROWS: tl.constexpr, COLS: tl.constexpr):
     """Program (block of rows 0..nodes of the ancestor matrix, block of its columns): VISIBLE

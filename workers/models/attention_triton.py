@@ -157,6 +157,8 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
         partial = torch.empty(splits, heads, rows, dim, dtype=torch.float32, device=query.device)
         stats = torch.empty(splits, heads, rows, 2, dtype=torch.float32, device=query.device)
     chosen = (str(query.device), dim)
+    if chosen in _CHOSEN and _CHOSEN[chosen] is None:
+        return None
     for tiles in (_CHOSEN[chosen],) if chosen in _CHOSEN else TILES:
         keys, warps, stages = tiles
         try:
