@@ -7,12 +7,15 @@ Random bf16 operands at the model's sizes (hidden 5120, MLP 17408, 6144-wide GDN
 projections), one GPU. Each time is the median of CUDA graph replays of 20 back-to-back calls. The
 floor ("ideal") is 2 x rows x K x N / the rate of an 8192^3 product measured in the same run (and,
 in ``layout``, at least the weight read at 4.2 TB/s). Parts:
-- ``epilogue``: the residual sum in the product's epilogue (``torch.addmm``, what the fused layers
-  do), a plain product, and each followed by the next RMS norm (the project's ``one_plus_rms_norm``;
-  an add + norm kernel after the plain product), for the output projections down_proj and o_proj;
+- ``epilogue``: the residual sum in the product's epilogue into a new tensor (``torch.addmm``, which
+  first copies the residual there) and in place (``addmm_``, what the fused layers do), a plain
+  product, and each followed by the next RMS norm (the project's ``one_plus_rms_norm``; an add + norm
+  kernel after the plain product), for the output projections down_proj and o_proj;
 - ``layout``: the weight as a Linear stores it ([N, K], "TN") or transposed in memory ("NN", still a
   [N, K] view), for every projection, with and without the residual add;
-- ``widths``: down_proj and gate/up at widths around 256 and 1024 (what padding a pass would buy).
+- ``widths``: down_proj and gate/up at widths around 256 and 1024 (what padding a pass would buy);
+- ``split``: each projection at 257 rows as one product and as two over rows [0, a) and [a, 257)
+  (each reading the whole weight: what splitting a DDTree B = 256 pass's products would buy).
 """
 
 from __future__ import annotations
@@ -62,8 +65,8 @@ def replay_us(fn, calls: int = 20, reps: int = 7) -> float:
 
 def epilogue_table(rate: float) -> None:
     norm_weight = torch.randn(HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.1
-    print(f"{'projection':>10} {'q':>5} {'addmm':>8} {'mm':>8} {'addmm+norm':>11} {'mm+addnorm':>11} {'ideal':>8}"
-          "   (us per call)")
+    print(f"{'projection':>10} {'q':>5} {'addmm':>8} {'addmm_':>8} {'mm':>8} {'addmm+norm':>11} {'mm+addnorm':>11} "
+          f"{'ideal':>8}   (us per call)")
     for q in (1, 17, 65, 257, 1025):
         for name, k in (("down", MLP), ("o", HEADS_OUT)):
             weight = torch.randn(HIDDEN, k, device="cuda", dtype=torch.bfloat16) * 0.01
@@ -72,6 +75,7 @@ def epilogue_table(rate: float) -> None:
             total, normed = torch.empty_like(residual), torch.empty_like(residual)
             times = (
                 replay_us(lambda: torch.addmm(residual, x, weight.t())),
+                replay_us(lambda: total.addmm_(x, weight.t())),
                 replay_us(lambda: torch.mm(x, weight.t())),
                 replay_us(lambda: one_plus_rms_norm(torch.addmm(residual, x, weight.t()), norm_weight, 1e-6)),
                 replay_us(lambda: _add_norm_kernel[(q,)](torch.mm(x, weight.t()), residual, norm_weight, total,
@@ -79,7 +83,8 @@ def epilogue_table(rate: float) -> None:
                                                          num_warps=16)),  # the project's norm's launch
             )
             ideal = 2 * q * k * HIDDEN / rate * 1e6
-            print(f"{name:>10} {q:>5} {times[0]:8.1f} {times[1]:8.1f} {times[2]:11.1f} {times[3]:11.1f} {ideal:8.1f}")
+            print(f"{name:>10} {q:>5} " + " ".join(f"{t:8.1f}" for t in times[:3])
+                  + f" {times[3]:11.1f} {times[4]:11.1f} {ideal:8.1f}")
 
 
 def layout_table(rate: float) -> None:
@@ -123,16 +128,35 @@ def widths_table(rate: float) -> None:
         print(f"{q:>5} {ratios[0]:10.2f}x {ratios[1]:7.2f}x {ratios[2]:10.2f}x")
 
 
+def split_table(rate: float) -> None:
+    weights = {"gate_up": (2 * MLP, HIDDEN), "down": (HIDDEN, MLP), "o_gdn": (HIDDEN, HEADS_OUT),
+               "qkvz": (16384, HIDDEN), "attn_qkv": (14336, HIDDEN)}
+    cuts = (128, 129, 136, 144, 176, 192, 240)
+    print(f"{'weight':>9} {'one':>7} " + " ".join(f"{f'{a}+{257 - a}':>8}" for a in cuts) + f" {'ideal':>7}"
+          "   (us per 257 rows)")
+    for name, (n, k) in weights.items():
+        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.01
+        x = torch.randn(257, k, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(257, n, device="cuda", dtype=torch.bfloat16)
+        cells = [replay_us(lambda: torch.mm(x, weight.t(), out=out))]
+        for a in cuts:
+            cells.append(replay_us(lambda a=a: (torch.mm(x[:a], weight.t(), out=out[:a]),
+                                                torch.mm(x[a:], weight.t(), out=out[a:]))))
+        ideal = 2 * 257 * n * k / rate * 1e6
+        print(f"{name:>9} " + " ".join(f"{c:7.1f}" for c in cells[:1]) + " " + " ".join(f"{c:8.1f}" for c in cells[1:])
+              + f" {ideal:7.1f}")
+
+
 @torch.inference_mode()
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", default="epilogue,layout,widths")
+    parser.add_argument("--part", default="epilogue,layout,widths,split")
     args = parser.parse_args()
     torch.manual_seed(0)
     square = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     rate = 2 * 8192**3 / (replay_us(lambda: square @ square, 5, 5) / 1e6)
     print(f"{torch.cuda.get_device_name()}: bf16 8192^3 product {rate / 1e12:.0f} TFLOP/s")
-    tables = {"epilogue": epilogue_table, "layout": layout_table, "widths": widths_table}
+    tables = {"epilogue": epilogue_table, "layout": layout_table, "widths": widths_table, "split": split_table}
     for part in args.part.split(","):
         print(f"-- {part}")
         tables[part](rate)
