@@ -29,6 +29,10 @@ SMALL_ATTENTION_ROWS = 512
 # [splits, Hkv, R, D], so under 4 x multiprocessors x ROW_BLOCK rows of D)
 ROW_BLOCK = 64
 MAX_KEY_SPLITS = 8
+# given the pass's K/V slots, the Triton kernel from one full block of rows on: it reads the keys up to
+# the pass's last slot where the batched products read the whole buffer (at Qwen3.6-27B's q = 17 and
+# 65 it is the faster: ``benchmarks/attention_kernels.py``, whose "SDPA all" column is those products)
+KERNEL_ROWS = ROW_BLOCK
 
 
 def grouped_attention(
@@ -56,14 +60,14 @@ def attend_folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
     """Softmax attention of folded rows: query [Hkv, R, D] over key/value [Hkv, C, D] with an
     additive mask [R, C] (None: all visible) -> [Hkv, R, D].
 
-    Few rows: scores by one batched product and softmax (accumulated in float32, as transformers'
-    eager attention), three kernels of a few microseconds; fused SDPA kernels take ~45 (cuDNN) to
-    ~95 (memory-efficient) microseconds per call for a handful of rows on an H200. Many rows: SDPA,
-    or, given the pass's K/V ``slots`` (every key after the last of them masked, every key before the
-    first visible) and half-precision inputs on CUDA, ``attention_triton.attend_until``, which reads
-    keys only up to that slot.
+    Given the pass's K/V ``slots`` (every key after the last of them masked, every key before the
+    first visible), half-precision inputs on CUDA and at least ``KERNEL_ROWS`` rows:
+    ``attention_triton.attend_until``, which reads keys only up to that slot. Otherwise, few rows:
+    scores by one batched product and softmax (accumulated in float32, as transformers' eager
+    attention), three kernels of a few microseconds; fused SDPA kernels take ~45 (cuDNN) to ~95
+    (memory-efficient) microseconds per call for a handful of rows on an H200. Many rows: SDPA.
     """
-    if query.shape[1] > SMALL_ATTENTION_ROWS and slots is not None and mask is not None and query.is_cuda:
+    if query.shape[1] >= KERNEL_ROWS and slots is not None and mask is not None and query.is_cuda:
         try:
             from workers.models import attention_triton
         except ImportError:  # no Triton: SDPA below

@@ -176,9 +176,11 @@ def test_gdn_layer_through_the_kernels_equals_its_torch_path(dtype, chain, q):
     (want, want_state, want_window), (got, got_state, got_window) = results
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
     assert ((got - want).norm() / want.norm()).item() < tolerance
-    # the residual in out_proj's epilogue
-    summed, _ = layer(hidden, shape, window0.clone(), state0.clone(), commit=chain, residual=hidden)
+    # the residual in out_proj's epilogue, added in place
+    residual = hidden.clone()
+    summed, _ = layer(hidden, shape, window0.clone(), state0.clone(), commit=chain, residual=residual)
     want_summed = hidden.float() + got
+    assert summed is residual
     assert ((summed.float() - want_summed).norm() / want_summed.norm()).item() < tolerance
     if chain:
         assert ((got_state - want_state).norm() / want_state.norm()).item() < tolerance
