@@ -188,11 +188,22 @@ class GatedAttentionLayer:
         folded = norm_rotate_heads(*args) if heads.is_cuda and _kernels_available() else norm_rotate_heads_torch(*args)
         out = attend_folded(folded, kv[0, 0, :, :attend], kv[1, 0, :, :attend], inputs.mask, self.scale,
                            slots=inputs.slots)
-        # the output gate: [q, Hq, D] (sigmoid's output is contiguous, the product lands in it)
-        gated = torch.sigmoid(heads[:, : 2 * hq].view(q, hq, 2, d)[:, :, 1]).mul_(out.view(hq, q, d).transpose(0, 1))
-        add_projection_(residual, gated.view(q, hq * d), self.o_proj, self.reduce)
+        add_projection_(residual, output_gate(out.view(hq, q, d), heads, hq), self.o_proj, self.reduce)
         self.mlp(residual)
         return hidden
+
+
+def output_gate(out: torch.Tensor, heads: torch.Tensor, query_heads: int) -> torch.Tensor:
+    """The attention's output out [Hq, q, D] times the sigmoid of each query head's gate (the odd rows
+    of heads [q, 2Hq + 2Hkv, D]) -> [q, Hq*D], as o_proj reads it; one Triton kernel on CUDA."""
+    if out.is_cuda and _kernels_available():
+        from workers.models.fused_hybrid_triton import output_gate as kernel
+
+        return kernel(out, heads, query_heads)
+    q, d = heads.shape[0], heads.shape[-1]
+    # sigmoid's output is contiguous [q, Hq, D], and the product lands in it
+    gated = torch.sigmoid(heads[:, : 2 * query_heads].view(q, query_heads, 2, d)[:, :, 1])
+    return gated.mul_(out.transpose(0, 1)).view(q, query_heads * d)
 
 
 def norm_rotate_heads(heads: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module, inputs: PassInputs,

@@ -4,8 +4,9 @@
 small kernels (cast, square, mean, add, rsqrt, two products, cast back): one program per row
 reduces in float32 and stores the row rounded to the model dtype once, as transformers does.
 ``norm_rotate_heads``: a gated attention layer's q/k norms, partial rotary, K/V cache write and
-query fold in one kernel. ``silu_mul``: the MLP's activation. Tested against the torch forms in
-``tests/workers/models/test_fused_hybrid.py`` (GPU-marked).
+query fold in one kernel. ``output_gate``: the attention output times the sigmoid of its gate, in the
+layout o_proj reads. ``silu_mul``: the MLP's activation. Tested against the torch forms in
+``tests/workers/models/test_fused_hybrid.py`` (GPU-marked) and through Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -118,3 +119,32 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = 1024
     _silu_mul_kernel[(q, triton.cdiv(inner, block))](gate_up, out, inner, BLOCK=block, num_warps=4)
     return out
+
+
+@triton.jit
+def _output_gate_kernel(OUT, HEADS, GATED, nodes, stride_token, HQ: tl.constexpr, D: tl.constexpr,
+                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)  # node: all its query heads
+    h = tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, BLOCK_D)
+    valid = (h < HQ)[:, None] & (cols < D)[None, :]
+    out = tl.load(OUT + (h[:, None] * nodes + t) * D + cols[None, :], mask=valid, other=0.0)
+    gate = tl.load(HEADS + t * stride_token + (2 * h[:, None] + 1) * D + cols[None, :], mask=valid,
+                   other=0.0).to(tl.float32)
+    # rounded as torch's sigmoid(gate) * out: the sigmoid to the model dtype, then the product
+    opened = (1.0 / (1.0 + tl.exp(-gate))).to(out.dtype).to(tl.float32)
+    tl.store(GATED + t * HQ * D + h[:, None] * D + cols[None, :], (opened * out.to(tl.float32)).to(out.dtype),
+             mask=valid)
+
+
+def output_gate(out: torch.Tensor, heads: torch.Tensor, query_heads: int) -> torch.Tensor:
+    """out [Hq, q, D] (the attention's output per query head; rows contiguous) and heads [q, 2Hq + 2Hkv, D]
+    (the projection's rows per node: query 0, gate 0, query 1, gate 1, ...) -> sigmoid(gate) * out
+    as [q, Hq*D], one kernel."""
+    q, d = heads.shape[0], heads.shape[-1]
+    out = out.contiguous()
+    gated = torch.empty(q, query_heads * d, dtype=out.dtype, device=out.device)
+    _output_gate_kernel[(q,)](out, heads, gated, q, heads.stride(0), HQ=query_heads, D=d,
+                              BLOCK_H=triton.next_power_of_2(query_heads), BLOCK_D=triton.next_power_of_2(d),
+                              num_warps=4)
+    return gated

@@ -193,6 +193,21 @@ def test_silu_mul_kernel_equals_torch(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_output_gate_kernel_equals_torch(dtype):
+    from workers.models.fused_hybrid_triton import output_gate
+
+    generator = torch.Generator().manual_seed(2)
+    tolerance = {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
+    for q, hq, hkv, d in ((1, 24, 4, 256), (257, 24, 4, 256), (9, 4, 2, 64)):
+        heads = (torch.randn(q, 2 * hq + 2 * hkv, d, generator=generator) * 3).to("cuda", dtype)
+        out = torch.randn(hq, q, d, generator=generator).to("cuda", dtype)
+        want = torch.sigmoid(heads[:, : 2 * hq].view(q, hq, 2, d)[:, :, 1]) * out.transpose(0, 1)
+        torch.testing.assert_close(output_gate(out, heads, hq), want.reshape(q, hq * d), **tolerance)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 4, 2, 8, 2), (5, 4, 2, 8, 8), (17, 24, 4, 256, 64)])  # q, Hq, Hkv, D, r
 def test_heads_kernel_equals_the_torch_form(dtype, shape):

@@ -123,10 +123,10 @@ def test_a_gdn_layer_through_the_kernels_equals_its_torch_path(chain, q):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_the_hybrid_layers_small_kernels_equal_their_torch_forms(dtype):
-    """The (1 + w) RMS norm (rows contiguous or strided), silu(gate) * up, and the attention heads'
-    norms + partial rotary + K/V write + query fold."""
+    """The (1 + w) RMS norm (rows contiguous or strided), silu(gate) * up, the attention's output gate,
+    and the attention heads' norms + partial rotary + K/V write + query fold."""
     from workers.models import fused_hybrid_triton
-    from workers.models.fused_hybrid import norm_rotate_heads, norm_rotate_heads_torch, one_plus_rms_norm
+    from workers.models.fused_hybrid import norm_rotate_heads, norm_rotate_heads_torch, one_plus_rms_norm, output_gate
     from workers.models.fused_layer import PassInputs
 
     g = torch.Generator().manual_seed(2)
@@ -143,6 +143,11 @@ def test_the_hybrid_layers_small_kernels_equal_their_torch_forms(dtype):
 
     q, hq, hkv, d, rotary = 5, 4, 2, 32, 8
     heads = torch.randn(q, 2 * hq + 2 * hkv, d, generator=g).to(dtype)
+    for heads_out in (6, hq):  # a query-head count that is not a power of two, and one that is
+        rows = torch.randn(q, 2 * heads_out + 2 * hkv, d, generator=g).to(dtype) * 3
+        attended = torch.randn(heads_out, q, d, generator=g).to(dtype)
+        torch.testing.assert_close(fused_hybrid_triton.output_gate(attended, rows, heads_out),
+                                   output_gate(attended, rows, heads_out), **tolerance)
     q_norm, k_norm = nn.Module(), nn.Module()
     q_norm.weight, k_norm.weight = ((torch.randn(d, generator=g) * 0.3).to(dtype) for _ in range(2))
     q_norm.eps = k_norm.eps = 1e-6
