@@ -189,22 +189,25 @@ def main() -> int:
         runner.start(capacity=args.context + 600, max_verify=max(qs))
         runner.prefill(prompt)
 
-    def prefill_only_ms(runner, reps: int = 3) -> float:
-        """Median prefill time, each after a fresh ``start`` that the timing leaves out."""
-        samples = []
-        for _ in range(reps + 1):  # the first: warm-up
-            runner.start(capacity=args.context + 600, max_verify=max(qs))
-            torch.cuda.synchronize()
-            begin = time.perf_counter()
-            runner.prefill(prompt)
-            torch.cuda.synchronize()
-            samples.append((time.perf_counter() - begin) * 1e3)
-        return statistics.median(samples[1:])
+    def prefill_only_ms(runners: dict, reps: int) -> dict:
+        """Median prefill time per runner, each after a fresh ``start`` that the timing leaves out; the
+        runners take turns, so a drift of the GPU's clock reaches them all alike."""
+        samples = {label: [] for label in runners}
+        for rep in range(reps + 1):  # the first: warm-up
+            for label, runner in runners.items():
+                runner.start(capacity=args.context + 600, max_verify=max(qs))
+                torch.cuda.synchronize()
+                begin = time.perf_counter()
+                runner.prefill(prompt)
+                torch.cuda.synchronize()
+                if rep:
+                    samples[label].append((time.perf_counter() - begin) * 1e3)
+        return {label: statistics.median(times) for label, times in samples.items()}
 
-    for label, runner in (("eager", eager), ("graph", graphed), ("split graphs", split)):
-        if runner is None:
-            continue
-        prefill_ms = prefill_only_ms(runner)
+    runners = {label: runner for label, runner in (("eager", eager), ("graph", graphed), ("split graphs", split))
+               if runner is not None}
+    for label, prefill_ms in prefill_only_ms(runners, max(5, args.reps)).items():
+        runner = runners[label]
         measured[f"prefill {label}"], measured["floor C prefill"] = prefill_ms, compute_floor_ms(args.context)
         lines.append(f"prefill {args.context} tokens, {label}: {prefill_ms:.1f} ms (chunks of {runner.prefill_chunk}); "
                      f"compute floor {compute_floor_ms(args.context):.1f} ms -> "
