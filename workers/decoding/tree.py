@@ -71,7 +71,7 @@ def build_tree(draft_log_probs: torch.Tensor, params: TreeParams, kernels: bool 
     top_vals, top_ids = torch.topk(draft_log_probs[:depth_limit], k=top_k, dim=-1)  # [D, K], best first
     top_vals = top_vals.double()
     pairs = _level_pairs(depth_limit, top_k, params.budget, device)
-    if draft_log_probs.is_cuda and triton_available() if kernels is None else kernels:
+    if (draft_log_probs.is_cuda and triton_available()) if kernels is None else kernels:
         from workers.decoding.tree_triton import best_prefixes
 
         return DraftTree(*best_prefixes(top_vals, top_ids, params.budget, pairs))

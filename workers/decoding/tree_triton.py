@@ -1,8 +1,8 @@
 """DDTree's tree build as a few Triton kernels (CUDA; ``tree.build_tree`` calls it there).
 
 ``tree.build_tree`` in torch issues ~12 small kernels per depth plus the merge and the ancestor
-matrix, about 290 launches for a 15-deep tree: ~1 ms a round even replayed from a CUDA graph, for
-work worth microseconds. Here each depth is one kernel, the merge one, and the outputs one:
+matrix, about 290 launches for a 15-deep tree, which cost more than their work even replayed from a
+CUDA graph. Here each depth is one kernel, the merge one, and the outputs one:
 
     depth d:  candidate c = (kept parent j, token rank r), score = parent score + top_vals[d, r];
               its place in the depth's best-first order = #{candidates that beat it}, where c' beats
@@ -14,10 +14,11 @@ work worth microseconds. Here each depth is one kernel, the merge one, and the o
               walks its node's entries up to the root)
 
 Counting who beats whom is exactly a stable descending sort, so the tree equals the torch build's
-bit for bit, ties included (``tests/workers/decoding/test_tree_triton.py`` on a GPU,
+bit for bit, ties included (``tests/workers/decoding/test_tree.py`` on a GPU,
 ``tests/workers/models/test_interpreted_kernels.py`` through Triton's CPU interpreter). Scores are
 float64, as in the torch build. The count is quadratic in a depth's candidates (~budget x ln budget)
-but spread over the GPU: cheap next to the launches it replaces.
+but spread over the GPU: cheap next to the launches it replaces up to a few hundred nodes, no faster
+than the torch build at B = 1024 (``benchmarks/results/hybrid_speed_h200.md``).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _beaten_by(score, e, other_score, other, in_range):
 
 @triton.jit(do_not_specialize=["count", "keep", "parent_offset", "offset", "depth", "top_k"])
 def _tree_depth_kernel(TOP_VALS, TOP_IDS, PARENT, RANK, SCORE, PARENT_ENTRY, TOKEN, DEPTH,
-                  count, keep, parent_offset, offset, depth, top_k, BLOCK: tl.constexpr):
+                       count, keep, parent_offset, offset, depth, top_k, BLOCK: tl.constexpr):
     """Depth ``depth`` (1..D): its ``count`` candidates (PARENT / RANK [count]), children of the
     previous depth's entries from ``parent_offset`` on (-1: the root); its ``keep`` best written as
     entries offset..offset+keep-1 of SCORE / PARENT_ENTRY / TOKEN / DEPTH, best first. Each program
@@ -94,7 +95,7 @@ def _tree_merge_kernel(SCORE, ORDER, NODE_OF, count, nodes, BLOCK: tl.constexpr)
 
 @triton.jit(do_not_specialize=["nodes", "max_depth"])
 def _tree_finish_kernel(ORDER, NODE_OF, SCORE, PARENT_ENTRY, TOKEN, DEPTH, TOKENS, DEPTHS, LOG_PROBS, PARENTS,
-                   VISIBLE, nodes, max_depth, ROWS: tl.constexpr, COLS: tl.constexpr):
+                        VISIBLE, nodes, max_depth, ROWS: tl.constexpr, COLS: tl.constexpr):
     """Program (block of rows 0..nodes of the ancestor matrix, block of its columns): VISIBLE
     [nodes+1, nodes+1] (uint8), row r = node r, its ancestors and the root; each row walks its entry's
     parents (at most max_depth). The column-block-0 programs also write the nodes' fields."""
