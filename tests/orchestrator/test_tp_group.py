@@ -219,6 +219,19 @@ def _complete(runs: Path) -> int:
     return 0 if study is None else sum(t.state == TrialState.COMPLETE for t in study.trials)
 
 
+def _mid_trial(proc, runs: Path) -> list[int]:
+    """Rank 1's pid if it is in a trial's call now and was 0.2 s ago with no trial completed since: a
+    process seen once in ``call`` may have just finished it (under load its title can lag), and a rank
+    killed between trials cuts no trial, where this test wants the cut one re-run."""
+    complete = _complete(runs)
+    busy = _session_processes(proc.pid, "ray::RankActor.call")
+    if not busy:
+        return []
+    time.sleep(0.2)
+    still = _session_processes(proc.pid, "ray::RankActor.call")
+    return busy if still == busy and _complete(runs) == complete else []
+
+
 def _wait(condition, proc, timeout: float = 240.0, what: str = ""):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -240,7 +253,7 @@ def test_sweep_with_a_tp_worker_survives_a_killed_rank_and_resumes(tiny_dir, tmp
     proc = start_sweep(sweep)
     _wait(lambda: _complete(runs) >= 1, proc, what="a first complete trial")
     # rank 1 while it runs a trial (Ray titles a busy actor process ray::Class.method)
-    [rank_1] = _wait(lambda: _session_processes(proc.pid, "ray::RankActor.call"), proc, what="rank 1 mid-trial")
+    [rank_1] = _wait(lambda: _mid_trial(proc, runs), proc, what="rank 1 mid-trial")
     os.kill(rank_1, signal.SIGKILL)
     _wait(lambda: _complete(runs) >= 2, proc, what="a trial after the group was recreated")
     os.killpg(proc.pid, signal.SIGINT)  # an interruption, as Ctrl-C in a terminal
