@@ -28,14 +28,13 @@ TILES = [(64, 64, 8, 2), (64, 32, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2), (128, 3
 
 def with_tiles(tiles: tuple[int, int, int, int], fn):
     """fn() with the kernel's tiles set to ``tiles`` (rows, keys, warps, stages) alone."""
-    saved = (attention_triton.ROW_BLOCK, attention_triton.TILES)
-    attention_triton.ROW_BLOCK, attention_triton.TILES = tiles[0], (tiles[1:],)
-    attention_triton._CHOSEN.clear()
+    saved = attention_triton.ROW_BLOCK
+    attention_triton.ROW_BLOCK = tiles[0]
     try:
-        return fn()
+        with attention_triton.only_tiles(tiles[1:]):
+            return fn()
     finally:
-        attention_triton.ROW_BLOCK, attention_triton.TILES = saved
-        attention_triton._CHOSEN.clear()
+        attention_triton.ROW_BLOCK = saved
 
 
 @torch.inference_mode()

@@ -126,24 +126,18 @@ def launches(shape: dict, q: int = 257) -> list[Launch]:
     kv = torch.zeros(2, 1, kv_heads, capacity, head_dim, dtype=bf16)
     slots = torch.arange(q) + 1024
     for splits in (1, 4):
-        for keys, warps, stages in attention_triton.TILES:  # each tried in turn until one fits the GPU
+        family = f"verify attention ({splits} key splits)"
+        for choice, tiles in enumerate(attention_triton.TILES):  # each tried in turn until one fits the GPU
             attention: list[Launch] = []
-            family = f"verify attention ({splits} key splits)"
-            with (recording(attention_triton, "_attention_kernel", f"{family[:-1]}, {keys}x{warps}x{stages})",
+            with (attention_triton.only_tiles(tiles),
+                  recording(attention_triton, "_attention_kernel", f"{family[:-1]}, {'x'.join(map(str, tiles))})",
                             attention),
                   recording(attention_triton, "_merge_kernel", f"verify attention's merge ({splits} key splits)",
                             attention)):
-                attention_triton._CHOSEN.clear()
-                saved, attention_triton.TILES = attention_triton.TILES, ((keys, warps, stages),)
-                try:
-                    attention_triton.attend_until(torch.zeros(kv_heads, rows, head_dim, dtype=bf16), kv[0, 0],
-                                                  kv[1, 0], torch.zeros(rows, capacity, dtype=bf16), slots,
-                                                  head_dim**-0.5, splits)
-                finally:
-                    attention_triton.TILES = saved
-                    attention_triton._CHOSEN.clear()
+                attention_triton.attend_until(torch.zeros(kv_heads, rows, head_dim, dtype=bf16), kv[0, 0], kv[1, 0],
+                                              torch.zeros(rows, capacity, dtype=bf16), slots, head_dim**-0.5, splits)
             attention[0].family = family
-            out += attention[:1] if (keys, warps, stages) != attention_triton.TILES[0] else attention
+            out += attention if choice == 0 else attention[:1]  # the merge (if split) once: the same kernel
     with recording(fused_hybrid_triton, "_heads_kernel", "attention heads (norm, rotary, K/V write)", out):
         fused_hybrid_triton.norm_rotate_heads(torch.zeros(q, 2 * heads + 2 * kv_heads, head_dim, dtype=bf16),
                                               torch.zeros(head_dim, dtype=bf16), torch.zeros(head_dim, dtype=bf16),

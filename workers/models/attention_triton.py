@@ -18,6 +18,9 @@ Tested against SDPA in ``tests/workers/models/test_attention_triton.py`` (GPU-ma
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import triton
 import triton.language as tl
@@ -127,6 +130,20 @@ MERGE_ROWS = 16  # folded rows per program of the splits' merge
 _CHOSEN: dict[tuple[str, int], tuple[int, int, int] | None] = {}
 
 
+@contextlib.contextmanager
+def only_tiles(tiles: tuple[int, int, int]) -> Iterator[None]:
+    """Inside: ``tiles`` (keys per step, warps, stages) alone, on every device (the benchmarks time or
+    compile one choice at a time); the per-device choices are forgotten on the way in and out."""
+    global TILES
+    saved, TILES = TILES, (tiles,)
+    _CHOSEN.clear()
+    try:
+        yield
+    finally:
+        TILES = saved
+        _CHOSEN.clear()
+
+
 def supports(query: torch.Tensor, key: torch.Tensor) -> bool:
     """Half-precision inputs, a power-of-two head size the tiles take, rows contiguous, and not a GPU
     found to lack the shared memory for every choice of tiles."""
@@ -145,6 +162,9 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     ``splits``: of the keys (None: enough programs to fill the GPU twice, at most ``MAX_KEY_SPLITS``).
     None (and ``supports`` false from then on) if this GPU lacks the shared memory for every TILES."""
     heads, rows, dim = query.shape
+    chosen = (str(query.device), dim)
+    if chosen in _CHOSEN and _CHOSEN[chosen] is None:
+        return None
     query = query.contiguous()
     mask = mask if mask.stride(-1) == 1 else mask.contiguous()
     out = torch.empty_like(query)
@@ -156,9 +176,6 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     if splits > 1:
         partial = torch.empty(splits, heads, rows, dim, dtype=torch.float32, device=query.device)
         stats = torch.empty(splits, heads, rows, 2, dtype=torch.float32, device=query.device)
-    chosen = (str(query.device), dim)
-    if chosen in _CHOSEN and _CHOSEN[chosen] is None:
-        return None
     for tiles in (_CHOSEN[chosen],) if chosen in _CHOSEN else TILES:
         keys, warps, stages = tiles
         try:
