@@ -20,7 +20,8 @@ from workers.decoding.generation import GenerationConfig, StageTimer, device_syn
 from workers.decoding.tree import TreeParams
 from workers.memory import MemoryTracer
 from workers.metrics import summarize
-from workers.models.drafter import DFlashDrafter, DrafterSpec
+from workers.models.drafter import DFlashDrafter
+from workers.models.drafter_config import DrafterSpec
 from workers.models.static_target import make_target
 from workers.prompts import Prompt
 from workers.tiny import write_tiny_pair

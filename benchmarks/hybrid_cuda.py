@@ -29,7 +29,8 @@ from workers.decoding.drafting import DraftGraphStore
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.tree import TreeParams, build_tree
 from workers.models.deltanet import full_state_bytes, tree_state_bytes
-from workers.models.drafter import DFlashDrafter, DrafterSpec
+from workers.models.drafter import DFlashDrafter
+from workers.models.drafter_config import DrafterSpec
 from workers.models.static_target import StaticTarget
 
 

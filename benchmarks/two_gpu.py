@@ -18,7 +18,8 @@ import torch
 
 from workers.decoding.dflash import DFlashParams
 from workers.decoding.tree import TreeParams
-from workers.models.drafter import DFlashDrafter, DrafterSpec
+from workers.models.drafter import DFlashDrafter
+from workers.models.drafter_config import DrafterSpec
 from workers.models.loading import save_drafter
 from workers.models.static_target import StaticTarget
 from workers.prompts import Prompt

@@ -31,14 +31,20 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+_LOCAL_ONLY = ("load from this machine only: a folder or the local Hugging Face cache, never the network "
+               "(HF_HUB_OFFLINE=1 does the same for every model); a model not here is refused at once")
+
+
 class TargetSection(_Strict):
     model: str = Field(description="hub id or local folder of the target causal LM")
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    local_files_only: bool = Field(False, description=_LOCAL_ONLY)
 
 
 class DrafterSection(_Strict):
     model: str = Field(description="hub id or local folder of the DFlash drafter (z-lab layout)")
+    local_files_only: bool = Field(False, description=_LOCAL_ONLY)
 
 
 class WorkersSection(_Strict):
@@ -391,20 +397,23 @@ def load_sweep(path: str | Path, base: Path | None = None) -> SweepConfig:
     config = config.model_copy(update=updates)
     if config.prompts.path is not None and not config.prompts.path.is_file():
         raise BadInputError(f"{path}: prompts.path: no such file {config.prompts.path}")
-    if config.drafter is not None:
-        _check_local_drafter(Path(config.drafter.model), f"{path}: drafter.model: {config.drafter.model}")
     return config
 
 
-def _check_local_drafter(folder: Path, source: str) -> None:
-    """A local drafter folder must hold a DFlash drafter, not a target (hub ids are checked at load)."""
-    from workers.models.drafter import check_is_drafter
+def check_models_available(config: SweepConfig, path: str) -> None:
+    """A model folder that is not there, or a hub id missing from the cache when models must come from
+    this machine: refused in seconds, before anything is created (not in ``load_sweep``: a report
+    of a finished sweep needs no models)."""
+    from workers.models.loading import check_model_available
 
-    try:
-        raw = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):  # no folder or no config here: the loader names what is missing
-        return
-    check_is_drafter(raw, source)
+    sections = {"target.model": config.target, "drafter.model": config.drafter}
+    for field, section in sections.items():
+        if section is None:
+            continue
+        try:
+            check_model_available(section.model, field, section.local_files_only)
+        except BadInputError as exc:
+            raise BadInputError(f"{path}: {exc}") from None
 
 
 def _yaml_error(exc: yaml.YAMLError) -> str:
@@ -464,17 +473,28 @@ def _first_error(exc: ValidationError) -> str:
     return f"{where}: {message}" if where else message
 
 
-def drafter_block_size(config: SweepConfig) -> int | None:
-    """The drafter's block size when its config is on this machine (local folder), else None."""
+def drafter_spec(config: SweepConfig, source: str):
+    """The drafter's ``DrafterSpec`` when its config is on this machine (a folder, the local hub cache,
+    or a random:<shape>), every field checked as the worker will check it (BadInputError naming the
+    field and the file); None for a hub id not downloaded yet (the worker checks it after fetching)."""
+    from workers.models.drafter_config import DrafterSpec
+    from workers.models.loading import ModelSource, cached_config_file
+    from workers.models.shapes import drafter_config
+
     if config.drafter is None:
         return None
-    path = Path(config.drafter.model) / "config.json"
-    if not path.is_file():
-        return None
+    name = config.drafter.model
+    shape = ModelSource.parse(name).shape
     try:
-        return int(json.loads(path.read_text())["block_size"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise BadInputError(f"{path}: cannot read the drafter's block_size ({exc})") from exc
+        if shape is not None:
+            try:
+                return DrafterSpec.from_dict(drafter_config(shape), source=name)
+            except KeyError as exc:
+                raise BadInputError(f"drafter {name}: {exc.args[0]}") from None
+        config_file = cached_config_file(name)
+        return None if config_file is None else DrafterSpec.from_config_file(config_file)
+    except BadInputError as exc:
+        raise BadInputError(f"{source}: drafter.model: {exc}") from None
 
 
 def check_knobs(config: SweepConfig, block_size: int | None) -> None:
@@ -518,17 +538,29 @@ def widest_verify(config: SweepConfig, block_size: int | None) -> int:
     return 1
 
 
-def check_prompts(config: SweepConfig, block_size: int | None, source: str) -> None:
-    """Every prompt encoded once against the target, before anything is created (BadInputError
-    naming the prompt's file and line). Skipped for a target not on this machine (the worker checks)."""
+def check_models(config: SweepConfig, spec, source: str):
+    """The target's facts (None for a hub id not downloaded yet), checked to be a model we run, and the
+    drafter's spec against it (hidden size, taps, layers, mask token), before anything is created."""
     from workers.models.loading import target_facts
-    from workers.prompts import ChatFormat, load_source
-    from workers.prompts import check_prompts as check
 
     try:
         facts = target_facts(config.target.model)
     except BadInputError as exc:
         raise BadInputError(f"{source}: target.model: {exc}") from exc
+    if facts is not None and spec is not None:
+        try:
+            spec.check_fits(facts.config, facts.vocab_rows, f"{source}: drafter.model: {config.drafter.model}")
+        except BadInputError as exc:
+            raise BadInputError(f"{exc} (target.model {config.target.model})") from None
+    return facts
+
+
+def check_prompts(config: SweepConfig, block_size: int | None, source: str, facts) -> None:
+    """Every prompt encoded once against the target, before anything is created (BadInputError
+    naming the prompt's file and line). Skipped for a target not on this machine (the worker checks)."""
+    from workers.prompts import ChatFormat, load_source
+    from workers.prompts import check_prompts as check
+
     if facts is None:
         return
     prompts = load_source(config.prompts.source())

@@ -28,6 +28,7 @@ from orchestrator.config import SweepConfig
 from orchestrator.tp_group import GroupError, GroupPlan, RankGroup
 from workers.errors import BadInputError, TrialStopped
 from workers.metrics import summarize
+from workers.models.loading import local_only
 from workers.worker import TrialResult, TrialSpec, Worker, WorkerConfig
 
 ACTOR_DEATH = (ActorDiedError, ActorUnavailableError, RayActorError)
@@ -134,6 +135,9 @@ def worker_config(config: SweepConfig) -> dict[str, Any]:
         WorkerConfig(
             target=config.target.model,
             drafter=config.drafter.model if config.drafter else None,
+            # the driver's HF_HUB_OFFLINE too: actors of a cluster joined elsewhere do not share its environment
+            local_files_only=local_only(config.target.local_files_only),
+            drafter_local_files_only=local_only(bool(config.drafter and config.drafter.local_files_only)),
             dtype=config.target.dtype,
             device=config.workers.device if config.workers.device != "auto" else ("cuda" if gpus > 0 else "cpu"),
             gpus=max(actor_gpus(config), 1),

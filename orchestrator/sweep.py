@@ -35,13 +35,16 @@ def build_parser() -> argparse.ArgumentParser:
 def validate(path: Path):
     """Everything that can be checked without starting anything; raises BadInputError.
 
-    The sweep file, the drafter's block, the stores (a real write where they are files), the target
-    folder and every prompt encoded against the target (when its config and tokenizer are here).
+    The sweep file, the models (a folder that is not there; the drafter's config field by field and
+    against the target's), the stores (a real write where they are files), and every prompt encoded
+    against the target (when its config and tokenizer are here).
     """
     from orchestrator.config import (
         check_against_block,
+        check_models,
+        check_models_available,
         check_prompts,
-        drafter_block_size,
+        drafter_spec,
         load_sweep,
         thinking_warning,
     )
@@ -50,14 +53,17 @@ def validate(path: Path):
     from workers.errors import BadInputError
 
     config = load_sweep(path)
-    block = drafter_block_size(config)
+    check_models_available(config, str(path))
+    spec = drafter_spec(config, str(path))
+    block = spec.block_size if spec is not None else None
     check_against_block(config, block, str(path))
     try:
         check_storage(config.storage)
         check_tracking_uri(config.mlflow.tracking_uri)
     except BadInputError as exc:
         raise BadInputError(f"{path}: {exc}") from exc
-    check_prompts(config, block, str(path))
+    facts = check_models(config, spec, str(path))
+    check_prompts(config, block, str(path), facts)
     warning = thinking_warning(config)
     if warning:
         print(warning, file=sys.stderr)

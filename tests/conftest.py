@@ -21,12 +21,16 @@ from workers.models.loading import (  # noqa: E402
 from workers.models.static_target import make_target  # noqa: E402
 from workers.tiny import TinyShape, write_tiny_pair  # noqa: E402
 
-TINY = TinyShape()  # vocab 32, 4 target layers, 2 drafter layers, block 8
-TINY_SMALL_VOCAB = TinyShape(vocab_size=6, block_size=6)  # chains get accepted often
+TINY = TinyShape()  # vocab 32, 4 target layers, 2 drafter layers, block 8; every drafter layer sees everything
+# The drafter of the user's real pair (z-lab/Qwen3.6-27B-DFlash) mixes causal sliding-window layers with
+# a full one; here with a window of 8, shorter than most contexts of the tests, so the window binds.
+MIXED_DRAFTER = {"drafter_layer_types": ("sliding_attention", "full_attention"), "drafter_window": 8}
+TINY_SMALL_VOCAB = TinyShape(vocab_size=6, block_size=6, **MIXED_DRAFTER)  # chains get accepted often
 # Hybrid targets (Gated DeltaNet + attention layers): Qwen3.5 with a small vocabulary so drafts are
-# accepted often, and Qwen3-Next (fused projections, MoE MLPs) at the default vocabulary.
-TINY_HYBRID = TinyShape(vocab_size=6, block_size=6, arch="qwen3_5")
-TINY_NEXT = TinyShape(arch="qwen3_next")
+# accepted often, and Qwen3-Next (fused projections, MoE MLPs) at the default vocabulary, whose
+# drafter makes every layer sliding and non-causal (dflash_config.use_swa, as MiMo's drafters do).
+TINY_HYBRID = TinyShape(vocab_size=6, block_size=6, arch="qwen3_5", **MIXED_DRAFTER)
+TINY_NEXT = TinyShape(arch="qwen3_next", drafter_window=12, drafter_use_swa=True)
 
 
 @dataclass

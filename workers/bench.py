@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time each round stage (share_* metrics); synchronises the device, so it slows decoding")
     p.add_argument("--tensor-parallel", type=_positive("--tensor-parallel"), default=1,
                    help="shard the target over N local processes (one GPU each; gloo on the CPU)")
+    p.add_argument("--local-files-only", action="store_true",
+                   help="models from this machine only (a folder or the local Hugging Face cache), never the network; "
+                   "a model not here is refused at once (HF_HUB_OFFLINE=1 does the same)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return p
 
@@ -165,18 +168,22 @@ def _bench_rank(tp, args: argparse.Namespace, params: MethodParams):
 
 def _bench(args: argparse.Namespace, params: MethodParams, tp=None):
     """Load and run the trial: ("result", TrialResult) or ("bad_input", message). ``tp``: this rank."""
-    from workers.models.loading import thinking_warning
+    from workers.models.loading import check_model_available, thinking_warning
     from workers.prompts import PromptSource, load_source
     from workers.worker import TrialSpec, Worker, WorkerConfig
 
     try:
+        check_model_available(args.target, "--target", args.local_files_only)
+        if args.drafter:
+            check_model_available(args.drafter, "--drafter", args.local_files_only)
         random_prompts = args.prompts is None and args.dataset is None  # a random:<shape> target
         if not random_prompts:
             prompts = load_source(PromptSource(args.prompts, args.dataset, args.split, args.limit, args.sample_seed))
         config = WorkerConfig(target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device,
                               chat_template=not args.no_chat_template, enable_thinking=args.enable_thinking,
                               cuda_graphs=not args.no_cuda_graphs, compile_layers=args.compile_layers,
-                              tensor_parallel=args.tensor_parallel)
+                              tensor_parallel=args.tensor_parallel, local_files_only=args.local_files_only,
+                              drafter_local_files_only=args.local_files_only)
         warning = thinking_warning(args.drafter, args.enable_thinking)
         if warning and (tp is None or tp.rank == 0):
             print(warning, file=sys.stderr)

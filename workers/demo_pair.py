@@ -216,7 +216,8 @@ def build(folder: Path, recipe: DemoRecipe, stdlib: Path | None = None, device: 
     import torch
 
     from workers.drafter_training import DrafterData, drafter_config, train_drafter
-    from workers.models.drafter import DFlashDrafter, DrafterSpec
+    from workers.models.drafter import DFlashDrafter
+    from workers.models.drafter_config import DrafterSpec
     from workers.models.loading import save_drafter
 
     train_files, held_files = stdlib_files(stdlib)

@@ -119,17 +119,18 @@ def block_hidden(
     block_positions = (anchors[:, None] + torch.arange(b, device=device)).reshape(1, m * b)
     ctx_rope = drafter.rotary_emb(context, torch.arange(length, device=device)[None])
     block_rope = drafter.rotary_emb(block_embeds, block_positions)
-    # query row (block i, offset j) sees context columns < anchor_i and the b columns of block i
+    # query row (block i, offset j) sees context columns < anchor_i and the b columns of block i, and
+    # within those what its layer's attention allows (causal, window: ``DFlashDrafter.layer_masks``)
     sees_context = torch.arange(length, device=device)[None, :] < anchors.repeat_interleave(b)[:, None]  # [m*b, L]
     block_of = torch.arange(m, device=device).repeat_interleave(b)
     sees_block = block_of[:, None] == block_of[None, :]  # [m*b, m*b]
-    allowed = torch.cat((sees_context, sees_block), dim=1)
-    mask = torch.zeros(allowed.shape, dtype=context.dtype, device=device)
-    mask = mask.masked_fill_(~allowed, torch.finfo(context.dtype).min)
+    key_positions = torch.cat((torch.arange(length, device=device), block_positions[0]))
+    masks = drafter.layer_masks(block_positions[0], key_positions, torch.cat((sees_context, sees_block), dim=1),
+                                context.dtype)
     hidden = block_embeds.reshape(1, m * b, width)
-    for layer in drafter.layers:  # DFlashDrafter.forward's loop, context K/V uncached
+    for layer, mask in zip(drafter.layers, masks):  # DFlashDrafter.forward's loop, context K/V uncached
         keys, values = layer.self_attn.key_value(context, *ctx_rope)
-        hidden = hidden + layer.self_attn(layer.input_layernorm(hidden), block_rope, keys, values, mask[None, None])
+        hidden = hidden + layer.self_attn(layer.input_layernorm(hidden), block_rope, keys, values, mask)
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
     return drafter.norm(hidden).reshape(m, b, width)
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from workers.models.drafter import DFlashDrafter, DrafterSpec
+from workers.models.drafter import DFlashDrafter
+from workers.models.drafter_config import DrafterSpec
 from workers.models.loading import save_drafter
 
 
@@ -33,6 +34,11 @@ class TinyShape:
     arch: str = "qwen3"  # or "qwen3_5" / "qwen3_next": Gated DeltaNet layers alternating with attention
     linear_key_heads: int = 2  # hybrids: Gated DeltaNet key heads
     linear_value_heads: int = 4  # hybrids: Gated DeltaNet value heads (a multiple of the key heads)
+    # the drafter's attention, written as z-lab checkpoints write it (drafter_config.resolve_layer_attention):
+    drafter_layer_types: tuple[str, ...] | None = None  # e.g. ("sliding_attention", "full_attention")
+    drafter_window: int | None = None  # sliding_window (with use_sliding_window: true)
+    drafter_use_swa: bool = False  # dflash_config.use_swa: every layer sliding
+    drafter_causal: bool | None = None  # dflash_config.causal: overrides every layer's causality
 
 
 ARCHES = ("qwen3", "qwen3_5", "qwen3_next")
@@ -81,17 +87,25 @@ def _qwen3_config(shape: TinyShape) -> dict:
 
 
 def tiny_drafter_config(shape: TinyShape) -> dict:
+    dflash = {
+        "mask_token_id": shape.vocab_size,  # the spare embedding row
+        "target_layer_ids": sorted({1, shape.num_layers - 2} if shape.num_layers > 2 else {0}),
+    }
     config = _qwen3_config(shape) | {
         "architectures": ["DFlashDraftModel"],
         "num_hidden_layers": shape.drafter_layers,
         "num_target_layers": shape.num_layers,
         "block_size": shape.block_size,
-        "dflash_config": {
-            "mask_token_id": shape.vocab_size,  # the spare embedding row
-            "target_layer_ids": sorted({1, shape.num_layers - 2} if shape.num_layers > 2 else {0}),
-        },
     }
-    return config
+    if shape.drafter_layer_types is not None:
+        config["layer_types"] = list(shape.drafter_layer_types)
+    if shape.drafter_window is not None:
+        config |= {"use_sliding_window": True, "sliding_window": shape.drafter_window}
+    if shape.drafter_use_swa:
+        dflash["use_swa"] = True
+    if shape.drafter_causal is not None:
+        dflash["causal"] = shape.drafter_causal
+    return config | {"dflash_config": dflash}
 
 
 def write_tiny_pair(folder: Path, shape: TinyShape = TinyShape(), seed: int = 0) -> tuple[Path, Path]:

@@ -41,7 +41,8 @@ from workers.decoding.methods import METHODS, Method, method_of
 from workers.errors import BadInputError, TrialStopped
 from workers.memory import KIND_CUDA, MemoryTrace, MemoryTracer, reset_and_empty_cache
 from workers.metrics import acceptance_histogram, median_run, per_category, summarize
-from workers.models.drafter import DFlashDrafter, DrafterSpec
+from workers.models.drafter import DFlashDrafter
+from workers.models.drafter_config import DrafterSpec
 from workers.models.loading import (
     ModelSource,
     Placement,
@@ -75,7 +76,8 @@ class WorkerConfig:
     gpus: int = 1
     max_memory_per_gpu: str | None = None
     attn_implementation: str = "sdpa"
-    local_files_only: bool = False
+    local_files_only: bool = False  # the target and its tokenizer from this machine only (no network)
+    drafter_local_files_only: bool = False  # the drafter likewise
     memory_interval_ms: float = 50.0
     chat_template: bool = True  # False: raw prompt text (no chat template)
     enable_thinking: bool = False  # only for targets whose template has the switch
@@ -176,7 +178,7 @@ class Worker:
         self.tokenizer = load_tokenizer(cfg.target, cfg.local_files_only)
         taps: tuple[int, ...] = ()
         if cfg.drafter is not None:
-            self.drafter = load_drafter(cfg.drafter, self.model, local_files_only=cfg.local_files_only)
+            self.drafter = load_drafter(cfg.drafter, self.model, local_files_only=cfg.drafter_local_files_only)
             taps = self.drafter.spec.target_layer_ids
         tap_device = self.drafter.fc.weight.device if self.drafter else None
         self.target = make_target(self.model, taps, tap_device, graphs=None if cfg.cuda_graphs else False,
@@ -211,7 +213,8 @@ class Worker:
         cfg = self.config
         if (cfg.gpus <= 1 and not tensor_parallel) or cfg.drafter is None or ModelSource.parse(cfg.drafter).is_random:
             return 0
-        spec = DrafterSpec.from_config_file(resolve_checkpoint_dir(cfg.drafter, cfg.local_files_only) / "config.json")
+        folder = resolve_checkpoint_dir(cfg.drafter, cfg.drafter_local_files_only)
+        spec = DrafterSpec.from_config_file(folder / "config.json")
         return drafter_bytes_for(spec, parse_dtype(cfg.dtype))
 
     @property

@@ -31,7 +31,9 @@ from workers.prompts import PromptSource, load_source
 from workers.tiny import TinyShape, write_prompts, write_tiny_pair
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
-SMALL_VOCAB = TinyShape(vocab_size=6, block_size=6)  # drafts are often accepted: tau differs by setting
+# drafts are often accepted (tau differs by setting); the drafter mixes sliding and full layers, as the real one
+SMALL_VOCAB = TinyShape(vocab_size=6, block_size=6, drafter_layer_types=("sliding_attention", "full_attention"),
+                        drafter_window=8)
 
 
 @pytest.fixture(scope="module")

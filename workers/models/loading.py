@@ -5,6 +5,8 @@ models of a named shape. A model name is decided once by ``ModelSource.parse``."
 from __future__ import annotations
 
 import json
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from workers.errors import BadInputError, CheckpointMismatchError, UnsupportedModelError
-from workers.models.drafter import DFlashDrafter, DrafterSpec
+from workers.models.drafter import DFlashDrafter
+from workers.models.drafter_config import DrafterSpec
 from workers.seam import check_supported
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -84,6 +87,44 @@ class Placement:
         return {"device_map": plan.device_map}
 
 
+def local_only(local_files_only: bool = False) -> bool:
+    """Whether models must come from this machine: asked for, or ``HF_HUB_OFFLINE=1`` in the
+    environment (honoured as the hub client honours it). Then nothing tries the network, so a missing
+    file fails at once instead of after the hub client's retries."""
+    return local_files_only or os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "name" or "org/name"
+
+
+def looks_local(name: str) -> bool:
+    """A model name that can only mean a folder here: absolute, ``./``, ``../``, ``~``, or not a hub id."""
+    return name.startswith(("/", "./", "../", "~")) or name in (".", "..") or not _HUB_ID.match(name)
+
+
+def check_model_available(name: str, role: str, local_files_only: bool = False) -> None:
+    """One clear error, at once and without the network, for a model that cannot be had: a folder
+    name that is not there, or (models from this machine only) a hub id the local cache lacks.
+    ``role`` names the model in the message ("target", "drafter")."""
+    if ModelSource.parse(name).is_random:
+        return
+    folder = Path(name).expanduser()
+    if folder.exists():
+        if not folder.is_dir():
+            raise BadInputError(f"{role} {name}: not a folder")
+        return
+    if looks_local(name):
+        raise BadInputError(f"{role} {name}: no such folder")
+    if local_only(local_files_only):
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(name, "config.json"), str):
+            raise BadInputError(
+                f"{role} {name}: not in this machine's Hugging Face cache, and models must come from this machine "
+                "(local_files_only / HF_HUB_OFFLINE=1): download it first (huggingface-cli download) or give its folder"
+            )
+
+
 def parse_dtype(name: str) -> torch.dtype:
     try:
         return DTYPES[name]
@@ -115,6 +156,7 @@ def load_target(
         except KeyError as exc:
             raise BadInputError(f"target {name_or_path}: {exc.args[0]}") from None
 
+    local_files_only = local_only(local_files_only)
     try:
         config = AutoConfig.from_pretrained(name_or_path, local_files_only=local_files_only)
     except Exception as exc:  # missing folder, no hub access, bad config: one message for the user
@@ -168,6 +210,7 @@ def load_tokenizer(name_or_path: str, local_files_only: bool = False):
     ids, and stop tokens come from the model's generation config alone)."""
     from transformers import AutoTokenizer
 
+    local_files_only = local_only(local_files_only)
     if ModelSource.parse(name_or_path).is_random or not has_tokenizer_files(name_or_path, local_files_only):
         return None
     try:
@@ -178,11 +221,26 @@ def load_tokenizer(name_or_path: str, local_files_only: bool = False):
 
 @dataclass(frozen=True)
 class TargetFacts:
-    """What prompts are checked against before anything starts: the embedding rows and positions."""
+    """What prompts and the drafter are checked against before anything starts."""
 
     vocab_rows: int
     max_positions: int | None
     tokenizer: object | None
+    config: Any  # the target's transformers config
+
+
+def cached_config_file(name: str) -> Path | None:
+    """A model's config.json when it is on this machine (its folder, or the local hub cache), else
+    None; never touches the network."""
+    folder = Path(name).expanduser()
+    if folder.is_dir():
+        return folder / "config.json"
+    if looks_local(name):
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(name, "config.json")
+    return Path(found) if isinstance(found, str) else None
 
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json", "*.pt", "*.pth")
@@ -222,7 +280,7 @@ def target_facts(name_or_path: str) -> TargetFacts | None:
             raise BadInputError(f"{name_or_path}: cannot load the target weights (no weight files in the folder)")
     text = text_config(config)
     tokenizer = None if shape is not None else load_tokenizer(name_or_path, local_files_only=True)
-    return TargetFacts(int(text.vocab_size), getattr(text, "max_position_embeddings", None), tokenizer)
+    return TargetFacts(int(text.vocab_size), getattr(text, "max_position_embeddings", None), tokenizer, config)
 
 
 # -- DFlash drafter checkpoints ------------------------------------------------------------------
@@ -258,9 +316,8 @@ def resolve_checkpoint_dir(name_or_path: str, local_files_only: bool = False) ->
     try:
         from huggingface_hub import snapshot_download
 
-        folder = snapshot_download(
-            name_or_path, allow_patterns=["config.json", "*.safetensors", "*.json"], local_files_only=local_files_only
-        )
+        folder = snapshot_download(name_or_path, allow_patterns=["config.json", "*.safetensors", "*.json"],
+                                   local_files_only=local_only(local_files_only))
     except Exception as exc:  # hub errors come in many types; one message is what the user needs
         raise CheckpointMismatchError(f"{name_or_path}: cannot find the drafter locally or on the hub ({exc})") from exc
     return Path(folder)
@@ -321,6 +378,12 @@ def load_drafter(
     weights = _read_weights(folder)
     if weights and all(key.startswith("model.") for key in weights):
         weights = {key.removeprefix("model."): value for key, value in weights.items()}
+    separate = sorted(key for key in weights if "mask_embedding" in key)
+    if separate:  # MiMo-style drafters embed MASK with their own vector instead of the target's row
+        raise CheckpointMismatchError(
+            f"{folder}: the drafter ships its own mask embedding ({separate[0]}); a separate MASK embedding is "
+            "not implemented here (the block's MASK slots take the target's embedding of mask_token_id)"
+        )
     expected = {k for k in drafter.state_dict() if not k.startswith("rotary_emb.")}
     missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
     if missing or unexpected:

@@ -7,15 +7,15 @@ wherever a model path is accepted) so speed can be measured without downloading 
 Sources: Qwen3-8B and its DFlash drafter (5 layers, block 16, target_layer_ids [1, 9, 17, 25, 33])
 as in FIELD_NOTES; Qwen3.6-27B as published for Qwen3.5-27B (64 layers, every 4th full attention,
 hidden 5120, 24 heads / 4 KV heads of 256 with a quarter rotary, Gated DeltaNet with 16 key and 48
-value heads of 128, conv kernel 4, vocab 248320, untied). The 27B drafter's layer shape is an
-assumption (5 Qwen3-style layers at the target's width and head layout, block 16).
+value heads of 128, conv kernel 4, vocab 248320, untied) and its drafter as published
+(z-lab/Qwen3.6-27B-DFlash: 5 layers of 32 heads / 8 KV heads of 128, 4 sliding + 1 full, window 2048).
 """
 
 from __future__ import annotations
 
 import torch
 
-from workers.models.drafter import default_target_layer_ids
+from workers.models.drafter_config import default_target_layer_ids
 
 TARGETS: dict[str, dict] = {
     "qwen3-8b": {
@@ -62,7 +62,29 @@ TARGETS["qwen3.6-mini"] = TARGETS["qwen3.6-27b"] | _MINI | {
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
 }
 
-DRAFTER_LAYERS, DRAFTER_BLOCK = 5, 16
+SLIDING, FULL = "sliding_attention", "full_attention"
+# The published drafters' configs, weights aside (z-lab/Qwen3-8B-DFlash-b16: FIELD_NOTES 1.2;
+# z-lab/Qwen3.6-27B-DFlash: FIELD_NOTES 13.1, ~1.73B parameters). Fields absent here come from the target.
+DRAFTERS: dict[str, dict] = {
+    "qwen3-8b": {  # every layer sees all context and the whole block
+        "num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "intermediate_size": 12288, "block_size": 16, "rope_theta": 1000000.0,
+        "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+    },
+    "qwen3.6-27b": {  # four causal sliding-window layers, then one full layer
+        "num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "intermediate_size": 17408, "block_size": 16, "layer_types": [SLIDING] * 4 + [FULL],
+        "use_sliding_window": True, "sliding_window": 2048, "max_window_layers": 5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0},
+        "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]},
+    },
+}
+# the mini shapes' drafters keep the layout (the 27B's a window short enough to bind on a CPU smoke run)
+_MINI_DRAFTER = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512,
+                 "dflash_config": {"mask_token_id": _MINI["vocab_size"] - 1,
+                                   "target_layer_ids": default_target_layer_ids(4, 5)}}
+DRAFTERS["qwen3-mini"] = DRAFTERS["qwen3-8b"] | _MINI_DRAFTER
+DRAFTERS["qwen3.6-mini"] = DRAFTERS["qwen3.6-27b"] | _MINI_DRAFTER | {"sliding_window": 64}
 
 
 def target_config(name: str):
@@ -74,20 +96,14 @@ def target_config(name: str):
 
 
 def drafter_config(name: str) -> dict:
-    """The DFlash drafter config (z-lab layout) for the named target shape."""
-    target = _known(TARGETS, name)
-    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "rms_norm_eps", "max_position_embeddings")
-    layer_ids = default_target_layer_ids(target["num_hidden_layers"], DRAFTER_LAYERS)
-    return {k: target[k] for k in keep} | {
+    """The DFlash drafter config (z-lab layout) published for the named target shape."""
+    target, drafter = _known(TARGETS, name), _known(DRAFTERS, name)
+    from_target = ("vocab_size", "hidden_size", "rms_norm_eps", "max_position_embeddings")
+    return {k: target[k] for k in from_target} | {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
-        "num_hidden_layers": DRAFTER_LAYERS,
         "num_target_layers": target["num_hidden_layers"],
-        "block_size": DRAFTER_BLOCK,
-        "rope_theta": 1000000.0,
-        "dflash_config": {"mask_token_id": target["vocab_size"] - 1, "target_layer_ids": layer_ids},
-    }
+    } | drafter
 
 
 def _known(table: dict[str, dict], name: str) -> dict:
@@ -109,7 +125,8 @@ def build_random_target(name: str, dtype: torch.dtype, device: torch.device):
 
 def build_random_drafter(name: str, target):
     """A DFlash drafter of the named target shape with random weights, beside the target's lm_head."""
-    from workers.models.drafter import DFlashDrafter, DrafterSpec
+    from workers.models.drafter import DFlashDrafter
+    from workers.models.drafter_config import DrafterSpec
 
     spec = DrafterSpec.from_dict(drafter_config(name), source=f"random:{name}")
     spec.check_fits(target.config, embedding_rows=target.get_input_embeddings().weight.shape[0],

@@ -18,7 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from workers.errors import BadInputError, CheckpointMismatchError
-from workers.models.drafter import DFlashDrafter, DrafterSpec, default_target_layer_ids
+from workers.models.drafter import DFlashDrafter
+from workers.models.drafter_config import DrafterSpec, default_target_layer_ids
 from workers.models.loading import WEIGHTS_FILE, WEIGHTS_INDEX_FILE, Placement, load_drafter, load_target
 from workers.tiny import TinyShape, tiny_drafter_config, write_tiny_pair
 
@@ -167,6 +168,27 @@ CONFIG_MISMATCHES = {
     "num_target_layers": (_set(["num_target_layers"], 5), ["num_target_layers", "5"]),
     "missing_mask_token_id": (lambda raw: raw["dflash_config"].pop("mask_token_id"), ["mask_token_id"]),
     "missing_block_size": (lambda raw: raw.pop("block_size"), ["block_size"]),
+    # fields that change the drafter's arithmetic and are not implemented: refused by name, never ignored
+    "attention_sink_bias": (_set(["dflash_config", "attention_sink_bias"], True), ["attention_sink_bias"]),
+    "swa_sink_bias_top_level": (_set(["add_swa_attention_sink_bias"], True), ["attention_sink_bias"]),
+    "no_aux_hidden_state": (_set(["dflash_config", "use_aux_hidden_state"], False), ["use_aux_hidden_state"]),
+    "target_hidden_size": (_set(["target_hidden_size"], 64), ["target_hidden_size", "64"]),
+    "input_embedding_scale": (_set(["dflash_config", "input_embedding_scale"], 2.0), ["input_embedding_scale"]),
+    "output_multiplier": (_set(["output_multiplier"], 0.5), ["output_multiplier"]),
+    "logit_softcapping": (_set(["final_logit_softcapping"], 30.0), ["final_logit_softcapping"]),
+    "mlp_bias": (_set(["mlp_bias"], True), ["mlp_bias"]),
+    "partial_rotary": (_set(["rope_parameters"], {"rope_type": "default", "rope_theta": 1e4,
+                                                  "partial_rotary_factor": 0.5}), ["partial_rotary_factor"]),
+    "unknown_dflash_field": (_set(["dflash_config", "selector_temperature"], 0.7),
+                             ["dflash_config.selector_temperature"]),
+    "dflash2_field": (_set(["dflash_config", "selector_top_k"], 16), ["DFlash2"]),
+    "dflash2_architecture": (_set(["architectures"], ["DFlash2DraftModel"]), ["DFlash2"]),
+    "other_architecture": (_set(["architectures"], ["DSparkDraftModel"]), ["DSparkDraftModel"]),
+    "other_model_type": (_set(["model_type"], "llama"), ["model_type", "llama"]),
+    "unknown_layer_type": (_set(["layer_types"], ["sliding_attention", "chunked_attention"]), ["layer_types"]),
+    "sliding_without_window": (_set(["layer_types"], ["sliding_attention", "full_attention"]), ["window", "layer 0"]),
+    "layer_types_count": (_set(["layer_types"], ["full_attention"] * 3), ["layer_types", "2 layers"]),
+    "non_bool_causal": (_set(["dflash_config", "causal"], "yes"), ["causal"]),
 }
 
 
@@ -193,6 +215,13 @@ def test_missing_weight_key_refused(tiny, good_copy):
     message = str(info.value)
     assert "layers.1.mlp.down_proj.weight" in message
     assert str(good_copy) in message
+
+
+def test_separate_mask_embedding_refused_by_name(tiny, good_copy):
+    edit_weights(good_copy, lambda w: w.update({"mask_embedding": torch.zeros(tiny.shape.hidden_size)}))
+    with pytest.raises(CheckpointMismatchError, match="mask embedding") as info:
+        load_drafter(str(good_copy), tiny.model)
+    assert "mask_embedding" in str(info.value) and str(good_copy) in str(info.value)
 
 
 def test_unexpected_weight_key_refused(tiny, good_copy):

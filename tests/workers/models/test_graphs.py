@@ -49,6 +49,31 @@ def test_graph_replay_equals_eager_token_for_token(request, name):
     assert accepted > 0
 
 
+@pytest.mark.parametrize("name", ["tiny", "tiny_small_vocab", "tiny_next"])
+def test_drafter_graph_logits_equal_eager_past_the_window(request, name):
+    """The drafter's replayed pass (whole cache under each layer's mask) gives the eager pass's logits
+    (each sliding layer reading only its window's slots) for full, sliding + full and all-sliding
+    drafters, as the context grows past the window."""
+    from workers.decoding.drafting import EagerDrafting
+
+    tiny = request.getfixturevalue(name)
+    model, drafter = copy.deepcopy(tiny.model).cuda(), copy.deepcopy(tiny.drafter).cuda()
+    target = StaticTarget(model, drafter.spec.target_layer_ids, graphs=True)
+    eager, graphed = EagerDrafting(drafter, target, 256), DraftGraphStore().open(drafter, target, 256)
+    generator = torch.Generator().manual_seed(0)
+    taps = torch.randn(1, 60, drafter.fc.in_features, generator=generator).cuda()
+    bonus = torch.randint(1, tiny.shape.vocab_size, (12,), generator=generator).cuda()
+    block, fed = drafter.block_size, 0
+    for index, new in enumerate((20, 1, block, 3, 2, block, 1, 4)):  # a prompt, then rounds (replayed graphs)
+        context = taps[:, fed : fed + new]
+        want = eager.draft(bonus[index : index + 1], context, block - 1)
+        got = graphed.draft(bonus[index : index + 1], context, block - 1)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        fed += new
+    assert fed > max(a.window or 0 for a in drafter.spec.layer_attention)
+    assert graphed.graphs, "the drafter pass was never replayed from a graph"
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_tree_built_on_the_gpu_equals_the_cpu_tree(seed):
     """build_tree runs where the drafter's logits are: the GPU's sorts must give the CPU's tree,

@@ -29,7 +29,7 @@ GB48 = 48 * 10**9  # an RTX A6000's 48 GB
 
 @pytest.fixture(scope="module")
 def hybrid_27b():
-    from workers.models.drafter import DrafterSpec
+    from workers.models.drafter_config import DrafterSpec
 
     config = target_config("qwen3.6-27b")
     drafter = drafter_bytes_for(DrafterSpec.from_dict(drafter_config("qwen3.6-27b")), torch.bfloat16)

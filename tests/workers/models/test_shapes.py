@@ -25,6 +25,24 @@ def test_the_27b_hybrid_shape_has_the_published_layout():
     assert drafter_config("qwen3-8b")["dflash_config"]["target_layer_ids"] == [1, 9, 17, 25, 33]
 
 
+def test_the_27b_drafter_shape_is_the_published_one():
+    """z-lab/Qwen3.6-27B-DFlash: 5 layers of 32 heads / 8 KV heads of 128, four causal sliding-window
+    layers (window 2048) and one full layer, taps [1, 16, 31, 46, 61], about 1.73B parameters."""
+    from workers.models.drafter import DFlashDrafter
+    from workers.models.drafter_config import DrafterSpec, LayerAttention
+
+    spec = DrafterSpec.from_dict(drafter_config("qwen3.6-27b"))
+    sliding, full = LayerAttention(causal=True, window=2048), LayerAttention(causal=False, window=None)
+    assert spec.layer_attention == (sliding,) * 4 + (full,)
+    assert spec.target_layer_ids == (1, 16, 31, 46, 61) and spec.mask_token_id == 248070 and spec.block_size == 16
+    cfg = spec.qwen3_config
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (32, 8, 128)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in DFlashDrafter(spec).parameters())
+    assert 1.70e9 < params < 1.76e9, params
+    assert DrafterSpec.from_dict(drafter_config("qwen3-8b")).layer_attention == (full,) * 5
+
+
 def bench(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "workers.bench", *args], capture_output=True, text=True, timeout=300)
 
