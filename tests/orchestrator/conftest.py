@@ -57,15 +57,17 @@ def write_sweep(path: Path, config: dict) -> Path:
     return path
 
 
-def sweep_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return env | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONUNBUFFERED": "1"}
+def sweep_env(offline: bool = True) -> dict[str, str]:
+    """The environment of a sweep subprocess; ``offline``: HF_HUB_OFFLINE=1 (models from this machine only)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "HF_HUB_OFFLINE")}
+    return env | {"TRANSFORMERS_VERBOSITY": "error", "PYTHONUNBUFFERED": "1"} | ({"HF_HUB_OFFLINE": "1"} if offline else {})
 
 
-def run_sweep(sweep: Path, *args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_sweep(sweep: Path, *args: str, cwd: Path | None = None, timeout: float = 600,
+              offline: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "orchestrator.sweep", str(sweep), *args],
-        capture_output=True, text=True, env=sweep_env(), cwd=cwd or ROOT, timeout=timeout,
+        capture_output=True, text=True, env=sweep_env(offline), cwd=cwd or ROOT, timeout=timeout,
     )
 
 

@@ -204,6 +204,8 @@ def test_issue_sample_validates(tmp_path, monkeypatch):
     path = root / "tree_budget.yaml"
     path.write_text(ISSUE_SAMPLE)
     monkeypatch.chdir(root)
+    # a machine that may download (validation itself never does): hub ids not cached here pass, for the worker
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
 
     config = validate(path)
 
@@ -469,7 +471,7 @@ def test_cli_dry_run_prints_the_plan_and_creates_nothing(tmp_path):
     path.write_text(ISSUE_SAMPLE)
     before = sorted(root.rglob("*"))
 
-    result = run_sweep(path, "--dry-run", cwd=root, timeout=120)
+    result = run_sweep(path, "--dry-run", cwd=root, timeout=120, offline=False)  # hub ids: checked by the worker
 
     assert result.returncode == 0, result.stderr
     plan = result.stdout
