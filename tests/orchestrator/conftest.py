@@ -60,7 +60,8 @@ def write_sweep(path: Path, config: dict) -> Path:
 def sweep_env(offline: bool = True) -> dict[str, str]:
     """The environment of a sweep subprocess; ``offline``: HF_HUB_OFFLINE=1 (models from this machine only)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "HF_HUB_OFFLINE")}
-    return env | {"TRANSFORMERS_VERBOSITY": "error", "PYTHONUNBUFFERED": "1"} | ({"HF_HUB_OFFLINE": "1"} if offline else {})
+    offline_env = {"HF_HUB_OFFLINE": "1"} if offline else {}
+    return env | {"TRANSFORMERS_VERBOSITY": "error", "PYTHONUNBUFFERED": "1"} | offline_env
 
 
 def run_sweep(sweep: Path, *args: str, cwd: Path | None = None, timeout: float = 600,
