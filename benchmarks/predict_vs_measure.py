@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from workers.costs import CostTable, predict
-from workers.decoding.methods import METHODS, Method
+from workers.decoding.methods import entry
 from workers.decoding.replay import ReplayTable
 from workers.prompts import Prompt
 from workers.tiny import TinyShape, write_tiny_pair
@@ -36,20 +36,15 @@ DEFAULT_DEPTHS = (3, None)
 DEFAULT_BRANCHINGS = (2, None)
 
 
-def spec(method: str, prompts, max_new: int, setting: dict | None = None, **kwargs) -> TrialSpec:
-    """A trial of ``setting`` (knob name -> value; the first grid point when None)."""
-    params = METHODS[Method(method)].params
-    if setting is None and params.KNOBS and any(k.required for k in params.KNOBS):
-        setting = {"tree_budget": DEFAULT_BUDGETS[0]}
-    return TrialSpec(params.from_mapping(setting or {}), tuple(prompts), max_new_tokens=max_new, stop_token_ids=(),
-                     **kwargs)
+def spec(params, prompts, max_new: int, **kwargs) -> TrialSpec:
+    return TrialSpec(params, tuple(prompts), max_new_tokens=max_new, stop_token_ids=(), **kwargs)
 
 
-def grid(method: str, budgets, depths, branchings, block: int) -> list[dict]:
-    if method == "dflash":
-        return [{"num_draft_tokens": n} for n in range(1, block)]
-    return [{"tree_budget": b, "max_depth": d, "branching": k}
-            for b, d, k in itertools.product(budgets, depths, branchings)]
+def grid(method: str, values: dict[str, list], block: int) -> list[dict]:
+    """Every combination of the method's knobs over ``values`` (knob name -> values to try)."""
+    names = entry(method).params.knob_names()
+    settings = [dict(zip(names, combo, strict=True)) for combo in itertools.product(*(values[n] for n in names))]
+    return [s for s in settings if s.get("max_depth") is None or s["max_depth"] <= block - 1]
 
 
 def main() -> None:
@@ -88,19 +83,22 @@ def main() -> None:
     def ints(text: str) -> list[int | None]:
         return [None if part == "None" else int(part) for part in text.split(",")]
 
-    settings = grid(args.method, ints(args.budgets), ints(args.depths), ints(args.branchings), block)
-    settings = [s for s in settings if s.get("max_depth") is None or s["max_depth"] <= block - 1]
-    ceiling = max((s.get("tree_budget") or 1) for s in settings)
+    method = entry(args.method)
+    values = {"tree_budget": ints(args.budgets), "max_depth": ints(args.depths), "branching": ints(args.branchings),
+              "num_draft_tokens": list(range(1, block))}
+    settings = grid(args.method, values, block)
+    params = [method.params_from(s, block) for s in settings]
+    plan = method.replay_plan(params, block)
 
     begin = time.perf_counter()
-    base = spec(args.method, prompts, args.max_new_tokens)
-    tables = [ReplayTable.from_dict(t) for t in worker.replay_tables(base, top_k=ceiling)]
+    base = spec(params[0], prompts, args.max_new_tokens)
+    tables = [ReplayTable.from_dict(t) for t in worker.replay_tables(base, top_k=plan.top_k)]
     replay_s = time.perf_counter() - begin
     begin = time.perf_counter()
-    costs = CostTable.from_dict(worker.measure_costs(base, settings))
+    costs = CostTable.from_dict(worker.measure_costs(base, params))
     costs_s = time.perf_counter() - begin
     begin = time.perf_counter()
-    predicted = {i: predict(tables, costs, args.method, s, block, ceiling) for i, s in enumerate(settings)}
+    predicted = {i: predict(tables, costs, p, block, plan.ceiling) for i, p in enumerate(params)}
     predict_s = time.perf_counter() - begin
     print(f"{args.target} on {args.device} ({args.dtype}), {args.prompts} prompts x {args.max_new_tokens} new tokens; "
           f"replay {replay_s:.1f} s, cost table {costs_s:.1f} s, {len(settings)} predictions {predict_s:.2f} s")
@@ -114,7 +112,7 @@ def main() -> None:
     print(f"{'setting':<44} {'pred tok/s':>10} {'meas tok/s':>10} {'err':>7} {'pred tau':>8} {'meas tau':>8} "
           f"{'rounds':>11}")
     for i in to_measure:
-        result = worker.run_trial(spec(args.method, prompts, args.max_new_tokens, settings[i], baseline=False))
+        result = worker.run_trial(spec(params[i], prompts, args.max_new_tokens, baseline=False))
         if result.status != "ok":
             print(f"{settings[i]}: {result.status} {result.error}")
             continue

@@ -23,11 +23,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from workers.decoding import ar, ddtree, dflash
-from workers.decoding.dflash import DFlashParams
 from workers.decoding.drafting import DraftGraphStore
 from workers.decoding.generation import GenerationConfig
-from workers.decoding.tree import TreeParams
+from workers.decoding.methods import entry
 from workers.models.shapes import build_random_drafter, build_random_target
 from workers.models.static_target import StaticTarget
 
@@ -84,12 +82,12 @@ def main() -> int:
     prompt = torch.randint(1, model.config.vocab_size - 1, (1, 64), device="cuda")
     config = GenerationConfig(max_new_tokens=96)
     store = DraftGraphStore()  # the drafter's graphs, as the Worker keeps them
-    if args.method == "ddtree":
-        cases = [(f"ddtree B={b}", ddtree.generate, TreeParams(b)) for b in (args.budget or [16, 64, 256])]
-    elif args.method == "dflash":
-        cases = [("dflash", dflash.generate, DFlashParams())]
-    else:
-        cases = [("ar", ar.generate, None)]
+    method = entry(args.method)
+    knobs = method.params.knob_names()
+    budgets = (args.budget or [16, 64, 256]) if "tree_budget" in knobs else [None]
+    cases = [(f"{args.method}" + (f" B={b}" if b else ""), method.generate,
+              method.params_from({"tree_budget": b} if b else {}) if method.needs_drafter else None)
+             for b in budgets]
     lines = [f"{'case':>14} {'rounds':>6} {'wall ms/round':>13} {'kernels ms/round':>16} {'idle ms/round':>13}  "
              "idle by stage (ms/round)"]
     for name, engine, params in cases:

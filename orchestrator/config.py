@@ -11,6 +11,7 @@ import difflib
 import hashlib
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -18,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from workers.decoding.knobs import MethodParams
-from workers.decoding.methods import METHODS, Method
+from workers.decoding.methods import METHODS, Method, MethodEntry
 from workers.errors import BadInputError
 from workers.prompts import BENCHMARKS, PromptSource
 
@@ -235,9 +236,32 @@ class SweepConfig(_Strict):
     measurement: MeasurementSection = MeasurementSection()
 
     @property
+    def entry(self) -> MethodEntry:
+        """This sweep's method: its engine, parameter type and rules (``workers.decoding.methods``)."""
+        return METHODS[Method(self.method)]
+
+    @property
     def method_params(self) -> type[MethodParams]:
         """The parameter type of this sweep's method (its knobs: ``KNOBS``)."""
-        return METHODS[Method(self.method)].params
+        return self.entry.params
+
+    def setting(self, sampled: Mapping[str, Any]) -> dict[str, Any]:
+        """A trial's flat setting: the parameters its sampler chose and the fixed ones (the one place
+        the two are merged)."""
+        return dict(sampled) | dict(self.fixed_params)
+
+    def params_of(self, sampled: Mapping[str, Any], block_size: int | None = None) -> MethodParams:
+        """The method's parameter object of a trial's sampled parameters, checked (``MethodEntry.params_from``)."""
+        return self.entry.params_from(self.setting(sampled), block_size)
+
+    def widest_setting(self) -> dict[str, Any]:
+        """Every knob at its widest value in the space: the largest number, or None where None is among
+        the values (None means block_size-1 or unlimited). Verify widths, tree sizes and replay needs
+        only grow with each knob, so this setting bounds every trial's."""
+        widest: dict[str, Any] = {}
+        for name, (_, values) in self.knob_values().items():
+            widest[name] = None if None in values else max(values)
+        return widest
 
     def knob_values(self) -> dict[str, tuple[str, list[int | None]]]:
         """Knob name -> (where it is set in the file, every value a trial can get), for set knobs."""
@@ -264,7 +288,7 @@ class SweepConfig(_Strict):
         if both:
             raise ValueError(f"fixed_params and search_space both set {sorted(both)}")
         check_knobs(self, None)  # every setting a trial can get must be a valid engine parameter
-        if METHODS[Method(self.method)].needs_drafter and self.drafter is None:
+        if self.entry.needs_drafter and self.drafter is None:
             raise ValueError(f"drafter: method '{self.method}' needs a drafter")
         for knob in self.method_params.KNOBS:
             if knob.required and knob.name not in self.knob_values():
@@ -278,8 +302,9 @@ class SweepConfig(_Strict):
                              "(Optuna cannot prune multi-objective trials)")
         if self.sampler.predicts:
             where = "sampler.type" if self.sampler.type == "predicted" else "sampler.predict"
-            if self.method == "ar":
-                raise ValueError(f"{where}: predictions are for speculative methods (ddtree, dflash), not 'ar'")
+            if not self.entry.needs_drafter:
+                raise ValueError(f"{where}: predictions are for speculative methods (ddtree, dflash), not "
+                                 f"'{self.method}'")
             if self.sampler.type == "predicted" and ("tokens_per_s", "maximize") not in [
                 (o.metric, o.direction) for o in self.objectives
             ]:
@@ -523,19 +548,15 @@ def thinking_warning(config: SweepConfig) -> str | None:
     return warning_for(config.drafter.model if config.drafter else None, config.prompts.enable_thinking)
 
 
-def widest_verify(config: SweepConfig, block_size: int | None) -> int:
-    """Positions one verify pass can add beyond the committed tokens, for the largest setting swept."""
-    def values(name: str) -> list[int]:
-        if name in config.search_space:
-            return [v for v in config.search_space[name].values() if v is not None]
-        value = config.fixed_params.get(name)
-        return [value] if value is not None else []
+# The block of the published DFlash drafters, assumed for a hub drafter not downloaded yet (only the
+# prompt-length check reads it; the worker checks again with the drafter's own block)
+ASSUMED_BLOCK = 16
 
-    if config.method == "ddtree":
-        return max(values("tree_budget"), default=1) + 1  # the nodes plus the root
-    if config.method == "dflash":
-        return block_size or max(values("num_draft_tokens"), default=0) + 1
-    return 1
+
+def widest_verify(config: SweepConfig, block_size: int | None) -> int:
+    """Positions one verify pass can add beyond the committed tokens, for the widest setting swept."""
+    block = block_size or ASSUMED_BLOCK
+    return config.entry.verify_width(config.entry.params_from(config.widest_setting(), block), block)
 
 
 def check_models(config: SweepConfig, spec, source: str):

@@ -58,7 +58,7 @@ from orchestrator.tracking import (
     root_reason,
     sweep_params,
 )
-from workers.decoding.methods import METHODS, Method
+from workers.decoding.knobs import ARParams, MethodParams
 from workers.prompts import load_source
 from workers.worker import TrialResult, TrialSpec, TrialStatus
 
@@ -210,7 +210,7 @@ class Driver:
 
     def _remeasure_pending(self) -> bool:
         """A finished search whose final re-measurement has not completed (interrupted, or never run)."""
-        if self.config.measurement.final_top_k == 0 or self.config.method == "ar":
+        if self.config.measurement.final_top_k == 0 or not self.config.method_params.KNOBS:  # one setting: no ranking
             return False
         parent = self.tracker.find_parent(studies.study_uid(self.study))
         return parent is None or parent.data.tags.get("final_state") != "done"
@@ -320,11 +320,11 @@ class Driver:
             return True
         return bool(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
 
-    def _spec(self, params: dict[str, Any], fault: str | None, method: Method | None = None,
-              repeats: int | None = None, baseline: bool = True) -> TrialSpec:
+    def _spec(self, params: MethodParams, fault: str | None, repeats: int | None = None,
+              baseline: bool = True) -> TrialSpec:
         gen = self.config.generation
         return TrialSpec(
-            params=METHODS[method or Method(self.config.method)].params.from_mapping(params),
+            params=params,
             prompts=self.prompts,
             max_new_tokens=self.config.prompts.max_new_tokens,
             temperature=gen.temperature,
@@ -355,9 +355,10 @@ class Driver:
                                           self._run_params(number, params), attempt)
         studies.link_run(self.study, number, run_id, self.tracker.run_url(run_id))
         if self.config.pruner.type != "none":  # per-prompt reports: a streaming generator (see _step)
-            ref = slot.handle.run_trial_steps.options(num_returns="streaming").remote(self._spec(params, fault))
+            ref = slot.handle.run_trial_steps.options(num_returns="streaming").remote(
+                self._spec(self.config.params_of(params), fault))
         else:
-            ref = slot.handle.run_trial.remote(self._spec(params, fault))
+            ref = slot.handle.run_trial.remote(self._spec(self.config.params_of(params), fault))
         predicted = self.predictor.predict(params, slot.index) if self.predictor else None
         self.inflight[ref] = InFlight(slot, number, params, run_id, attempt, int(time.time() * 1000), predicted)
         slot.state, slot.trial_number = "running", number
@@ -426,7 +427,8 @@ class Driver:
     def _start_predictions(self, block: int | None) -> None:
         """Replay + cost tables from the actors, logged on the parent run; the predicted plan enqueued."""
         self.progress.note("recording the acceptance replay and measuring each actor's costs ...")
-        self.predictor = Predictor.gather(self.config, self.slots, lambda setting: self._spec(setting, None), block)
+        self.predictor = Predictor.gather(self.config, self.slots,
+                                          lambda sampled: self._spec(self.config.params_of(sampled), None), block)
         self.tracker.log_costs(self.parent_id, {slot.index: self.predictor.costs[slot.index].to_dict()
                                                 for slot in self.slots}, [s.info for s in self.slots])
         if self.config.sampler.type == "predicted":
@@ -517,7 +519,7 @@ class Driver:
         finished study run again); a study extended since then is re-measured in a new round.
         """
         measurement = self.config.measurement
-        if measurement.final_top_k == 0 or self.config.method == "ar":
+        if measurement.final_top_k == 0 or not self.config.method_params.KNOBS:  # one setting: no ranking
             return None
         picks = studies.top_trials(self.study, self.config, measurement.final_top_k)
         if not picks:
@@ -535,9 +537,8 @@ class Driver:
         for index in range(passes):
             for trial in picks:
                 pair = []
-                for spec in (self._spec({}, None, method=Method.AR, repeats=1, baseline=False),
-                             self._spec(dict(trial.params) | dict(self.config.fixed_params), None, repeats=1,
-                                        baseline=False)):
+                for spec in (self._spec(ARParams(), None, repeats=1, baseline=False),
+                             self._spec(self.config.params_of(trial.params), None, repeats=1, baseline=False)):
                     slot.state = "re-measuring"
                     self.progress.stage = f"re-measuring: pass {index + 1}/{passes}"
                     self.progress.update(self.study, self.slots, studies.count_complete(self.study),
@@ -555,7 +556,7 @@ class Driver:
             if metrics is None:
                 self.progress.note(f"trial {trial.number}: its re-measurement failed; not a candidate")
                 continue
-            params = self._run_params(trial.number, dict(trial.params) | dict(self.config.fixed_params))
+            params = self._run_params(trial.number, self.config.setting(trial.params))
             self.tracker.log_remeasure(self.parent_id, self.study_name, studies.study_uid(self.study), trial.number,
                                        params | {"passes": passes}, metrics, round_id)
             final["trials"][trial.number] = metrics
@@ -614,7 +615,7 @@ class Driver:
             self.tracker.set_parent_tags(self.parent_id, {"best_trial": number, "best_source": "re-measured"})
             trial = self.study.trials[number]
             summary["search_best_trial"] = summary.get("best_trial")
-            summary |= {"best_trial": number, "best_params": dict(trial.params) | dict(self.config.fixed_params),
+            summary |= {"best_trial": number, "best_params": self.config.setting(trial.params),
                         "best_source": "re-measured", "remeasured": {str(k): v for k, v in final["trials"].items()}}
         elif "best_trial" in summary:
             out |= {k.replace("search_best_", "best_", 1): v for k, v in out.items()}

@@ -26,32 +26,21 @@ import ray
 from orchestrator import study as studies
 from orchestrator.config import SweepConfig
 from workers.costs import CostTable, predict
-from workers.decoding.replay import ReplayTable
+from workers.decoding.replay import ReplayPlan, ReplayTable
 
 
-def _axis(config: SweepConfig, name: str) -> list[Any]:
-    if name in config.search_space:
-        return config.search_space[name].values()
-    return [config.fixed_params.get(name)]
-
-
-def tree_ceiling(config: SweepConfig) -> int | None:
-    """The largest budget any trial can get (from the space's bounds, not a sample of it)."""
-    return max(int(b) for b in _axis(config, "tree_budget")) if config.method == "ddtree" else None
-
-
-def tree_width(config: SweepConfig) -> int:
-    """Top-K per depth the replay tables keep: the widest tree any trial builds."""
-    if config.method != "ddtree":
-        return 1
-    ceiling = tree_ceiling(config)
-    return max(ceiling if k is None else min(ceiling, int(k)) for k in _axis(config, "branching"))
+def replay_plan(config: SweepConfig, block_size: int) -> ReplayPlan:
+    """What the replay tables must keep for every trial of the sweep: the plan of its widest setting
+    (the largest budget is the ceiling, the widest branching the top-K)."""
+    entry = config.entry
+    return entry.replay_plan([entry.params_from(config.widest_setting(), block_size)], block_size)
 
 
 class Predictor:
     def __init__(self, config: SweepConfig, tables: list[ReplayTable], costs: dict[int, CostTable], block_size: int,
-                 ceiling: int | None) -> None:
-        self.config, self.tables, self.costs, self.block_size, self.ceiling = config, tables, costs, block_size, ceiling
+                 plan: ReplayPlan) -> None:
+        self.config, self.tables, self.costs, self.block_size = config, tables, costs, block_size
+        self.replay_plan = plan
         self.points: list[dict[str, Any]] = []
         self._cache: dict[tuple, dict[str, float]] = {}
 
@@ -62,23 +51,24 @@ class Predictor:
         ``make_spec(setting)``: the sweep's TrialSpec for one setting (its prompts and generation
         settings are what the replay and the cost table use)."""
         points = studies.space_points(config, config.sampler.max_points, config.sampler.seed)
-        settings = [point | dict(config.fixed_params) for point in points]
-        spec = make_spec(settings[0])
-        ceiling = tree_ceiling(config)
-        replay_ref = slots[0].handle.replay_tables.remote(spec, tree_width(config))
+        settings = [config.params_of(point, block_size) for point in points]
+        spec = make_spec(points[0])
+        plan = replay_plan(config, block_size)
+        replay_ref = slots[0].handle.replay_tables.remote(spec, plan.top_k)
         cost_refs = [slot.handle.measure_costs.remote(spec, settings) for slot in slots]
         tables = [ReplayTable.from_dict(t) for t in ray.get(replay_ref)]
         costs = {slot.index: CostTable.from_dict(c) for slot, c in zip(slots, ray.get(cost_refs), strict=True)}
-        predictor = cls(config, tables, costs, block_size, ceiling)
+        predictor = cls(config, tables, costs, block_size, plan)
         predictor.points = points
         return predictor
 
     def predict(self, params: dict[str, Any], actor: int = 0) -> dict[str, float]:
-        setting = params | dict(self.config.fixed_params)
+        setting = self.config.setting(params)
         actor = actor if actor in self.costs else min(self.costs)
         key = (actor, tuple(sorted(setting.items(), key=lambda item: item[0])))
         if key not in self._cache:
-            p = predict(self.tables, self.costs[actor], self.config.method, setting, self.block_size, self.ceiling)
+            p = predict(self.tables, self.costs[actor], self.config.params_of(params, self.block_size),
+                        self.block_size, self.replay_plan.ceiling)
             self._cache[key] = {"predicted_tokens_per_s": p.tokens_per_s, "predicted_tau": p.tau,
                                 "predicted_rounds": float(p.rounds)}
         return self._cache[key]

@@ -394,7 +394,7 @@ def suggest(trial: Trial, config: SweepConfig) -> dict[str, Any]:
             params[name] = trial.suggest_int(name, space.low, space.high, step=space.step, log=space.log)
         elif isinstance(space, CategoricalParam):
             params[name] = trial.suggest_categorical(name, space.choices)
-    return params | dict(config.fixed_params)
+    return config.setting(params)
 
 
 def constraint_values(config: SweepConfig, metrics: dict[str, Any], oom: bool) -> dict[str, float]:

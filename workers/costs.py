@@ -1,16 +1,17 @@
 """A measured cost table per actor, and the predicted speed of a setting from it and the replay.
 
 The field's identity (CaDDTree, BASTION, Sequoia): tokens/s = committed tokens / sum over rounds of
-(draft + tree build + verify(q) + commit; AR: one advance). ``measure_costs`` times each piece on this
-actor's target and drafter, once: the verify pass per width q (root + nodes), the drafter's pass per new-context
+(draft + tree build + verify(q) + commit; AR: one advance). A setting is its method's parameter
+object; what one of its rounds runs is its ``RoundShape`` (``workers.decoding.methods``), which this
+module prices without knowing the method. ``measure_costs`` times each piece on this actor's target
+and drafter, once: the verify pass per width q (root + nodes), the drafter's pass per new-context
 length, the tree build per (budget, branching, depth), the commit per path length, and a per-round
 remainder (sampling, the walk, the host read) calibrated from one real engine run per method, whose
-rounds are known. ``predict`` combines the table with ``workers.decoding.replay`` round lengths.
+rounds are known. ``predict`` combines the table with the method's replayed round lengths.
 
 Each piece is timed with a synchronise after every call (a round reads the host once, so its pieces
-do not overlap much); the fastest of a few repeats, since other load on the machine only adds time. Widths and
-budgets between measured anchors are
-interpolated linearly.
+do not overlap much); the fastest of a few repeats, since other load on the machine only adds time.
+Widths and budgets between measured anchors are interpolated linearly.
 """
 
 from __future__ import annotations
@@ -23,35 +24,15 @@ from typing import Any
 
 import torch
 
-from workers.decoding import ddtree, dflash
 from workers.decoding.drafting import DraftGraphStore, open_drafting
 from workers.decoding.generation import GenerationConfig, device_sync
-from workers.decoding.replay import ReplayTable, ddtree_lengths, dflash_lengths
+from workers.decoding.knobs import MethodParams, RoundShape
+from workers.decoding.methods import entry_of
+from workers.decoding.replay import ReplayTable, output_length
 from workers.decoding.tree import TreeParams, build_tree
 
 MAX_ANCHORS = 16  # verify widths measured when the space has more (the rest interpolated)
 TREE_BUDGET_ANCHORS = 6
-
-
-# -- settings: flat sweep parameters -> engine parameters (kept local so the params registry can replace it)
-
-
-def tree_params(setting: dict[str, Any], block_size: int) -> TreeParams:
-    depth = setting.get("max_depth")
-    return TreeParams(int(setting["tree_budget"]), block_size - 1 if depth is None else int(depth),
-                      setting.get("branching"))
-
-
-def chain_length(setting: dict[str, Any], block_size: int) -> int:
-    return dflash.DFlashParams(setting.get("num_draft_tokens")).resolved(block_size).num_draft_tokens
-
-
-def verify_width(method: str, setting: dict[str, Any], block_size: int) -> int:
-    if method == "ddtree":
-        return int(setting["tree_budget"]) + 1
-    if method == "dflash":
-        return chain_length(setting, block_size) + 1
-    return 1
 
 
 # -- the table -----------------------------------------------------------------------------------------
@@ -104,14 +85,14 @@ class CostTable:
     def commit(self, length: int) -> float:
         return _interp(self.commit_s, length)
 
-    def round_s(self, method: str, setting: dict[str, Any], block_size: int, committed: int, previous: int) -> float:
-        """One round that commits ``committed`` tokens after a round that committed ``previous``."""
-        if method == "ar":  # one advance: the pass commits its token as it goes
-            return self.verify(1) + self.overhead_s.get(method, 0.0)
-        seconds = self.verify(verify_width(method, setting, block_size)) + self.commit(committed)
-        seconds += self.overhead_s.get(method, 0.0) + self.draft(previous)
-        if method == "ddtree":
-            seconds += self.tree(tree_params(setting, block_size))
+    def round_s(self, shape: RoundShape, committed: int, previous: int) -> float:
+        """One round of ``shape`` that commits ``committed`` tokens after a round that committed ``previous``."""
+        seconds = self.overhead_s.get(shape.method, 0.0)
+        if not shape.drafts:  # AR: one advance, the pass commits its token as it goes
+            return seconds + self.verify(1)
+        seconds += self.draft(previous) + self.verify(shape.verify_width) + self.commit(committed)
+        if shape.tree is not None:
+            seconds += self.tree(shape.tree)
         return seconds
 
     def to_dict(self) -> dict[str, Any]:
@@ -149,37 +130,22 @@ class Prediction:
     decode_s: float
 
 
-def round_lengths(table: ReplayTable, method: str, setting: dict[str, Any], block_size: int,
-                  ceiling: int | None = None):
-    if method == "ddtree":
-        return ddtree_lengths(table, tree_params(setting, block_size), block_size, ceiling)
-    if method == "dflash":
-        return dflash_lengths(table, chain_length(setting, block_size))
-    return [1] * (output_length(table) - 1)
-
-
-def output_length(table: ReplayTable) -> int:
-    """Tokens the engines output for this prompt (the same for every setting: the AR output, cut)."""
-    stops = set(table.stop_token_ids)
-    for index, token in enumerate(table.tokens[: table.max_new_tokens]):
-        if token in stops:
-            return index + 1
-    return table.max_new_tokens
-
-
-def predict(tables: list[ReplayTable], costs: CostTable, method: str, setting: dict[str, Any], block_size: int,
+def predict(tables: list[ReplayTable], costs: CostTable, params: MethodParams, block_size: int,
             ceiling: int | None = None) -> Prediction:
-    """Predicted tokens/s (generated tokens / decode time, as the trial metric), tau and rounds."""
+    """Predicted tokens/s (generated tokens / decode time, as the trial metric), tau and rounds of the
+    setting ``params``; ``ceiling``: the tree budget the replay's trees are cut from (``ReplayPlan``)."""
+    entry = entry_of(params)
+    shape = entry.round_shape(params, block_size)
     tokens = rounds = committed = 0
     seconds = 0.0
     for table in tables:
-        lengths = round_lengths(table, method, setting, block_size, ceiling)
+        lengths = entry.replay_lengths(table, params, block_size, ceiling)
         tokens += output_length(table)
         rounds += len(lengths)
         committed += sum(lengths)
         previous = block_size  # the first drafter pass reads the prompt: priced as the longest new context
         for length in lengths:
-            seconds += costs.round_s(method, setting, block_size, length, previous)
+            seconds += costs.round_s(shape, length, previous)
             previous = length
     return Prediction(tokens / seconds if seconds > 0 else 0.0, committed / rounds if rounds else 0.0, rounds, tokens,
                       seconds)
@@ -217,19 +183,20 @@ def _tree_call(drafting, logits: torch.Tensor, params: TreeParams):
 
 
 @torch.inference_mode()
-def measure_costs(target, drafter, method: str, settings: list[dict[str, Any]], context_length: int,
+def measure_costs(target, drafter, settings: list[MethodParams], context_length: int,
                   calibration_prompt: torch.Tensor | None = None, calibration: GenerationConfig | None = None,
                   repeats: int = 5, draft_graphs: DraftGraphStore | None = None) -> CostTable:
-    """Time every piece the settings' rounds use on this target and drafter (see the module docstring).
+    """Time every piece the rounds of ``settings`` (parameter objects, of one method or several) use
+    on this target and drafter (see the module docstring).
 
     ``context_length``: committed tokens in the target cache while timing (a typical mid-generation
     length: the verify pass attends to them). ``calibration_prompt`` / ``calibration``: one real run
-    per method whose rounds calibrate the per-round remainder (skipped when None).
+    per method that drafts, whose rounds calibrate its per-round remainder (skipped when None).
     """
     sync = device_sync(target.device)
     block = drafter.block_size if drafter is not None else 1
-    widths = {verify_width(method, s, block) for s in settings} | {1}
-    widths = set(_anchors(widths, MAX_ANCHORS))
+    shapes = [entry_of(params).round_shape(params, block) for params in settings]
+    widths = set(_anchors({shape.verify_width for shape in shapes} | {1}, MAX_ANCHORS))
     max_width = max(widths)
     context_length = max(context_length, block)  # the drafter's timed passes read the context's last block
     # every commit timing adds its path to the cache: sum over lengths 1..block of (repeats + 1) passes
@@ -266,16 +233,16 @@ def measure_costs(target, drafter, method: str, settings: list[dict[str, Any]], 
 
     draft_s: dict[int, float] = {}
     tree_s: dict[str, dict[int, dict[int, float]]] = {}
-    if drafter is not None and method != "ar":
+    if drafter is not None and any(shape.drafts for shape in shapes):
         # the drafting the engines get (graph replays when the Worker's store is given and the target replays)
         drafting = open_drafting(drafter, target, context_length + (repeats + 2) * 2 * block + 2 * block, draft_graphs)
         drafting.draft(root, prefill.taps, block - 1)  # the prompt, once, as an engine does
         taps = prefill.taps[:, -block:]
         for new in sorted({1, block}):
             draft_s[new] = _time(lambda new=new: drafting.draft(root, taps[:, :new], block - 1), sync, repeats)
-        if method == "ddtree":
+        trees = [shape.tree for shape in shapes if shape.tree is not None]
+        if trees:
             logits = drafting.draft(root, taps[:, :1], block - 1).clone()
-            trees = [tree_params(s, block) for s in settings]
             for branching in sorted({t.branching for t in trees}, key=lambda b: b or 1 << 30):
                 chosen = [t for t in trees if t.branching == branching]
                 depths = _anchors({t.max_depth for t in chosen}, 3)
@@ -288,32 +255,31 @@ def measure_costs(target, drafter, method: str, settings: list[dict[str, Any]], 
                     for d in depths
                 }
     costs = CostTable(str(target.device), context_length, verify_s, draft_s, tree_s, commit_s)
-    if calibration_prompt is not None and calibration is not None and method != "ar":
-        costs.overhead_s[method] = _calibrate(target, drafter, method, settings, costs, calibration_prompt, calibration,
-                                              draft_graphs)
+    if calibration_prompt is not None and calibration is not None:
+        for method in {shape.method: None for shape in shapes if shape.drafts}:  # in order of appearance
+            ours = [params for params, shape in zip(settings, shapes, strict=True) if shape.method == method]
+            costs.overhead_s[method] = _calibrate(target, drafter, ours[len(ours) // 2], costs, calibration_prompt,
+                                                  calibration, draft_graphs)
     return costs
 
 
-def _calibrate(target, drafter, method, settings, costs: CostTable, prompt, config: GenerationConfig,
+def _calibrate(target, drafter, params: MethodParams, costs: CostTable, prompt, config: GenerationConfig,
                draft_graphs: DraftGraphStore | None = None) -> float:
-    """Per-round time a real run spends beyond the timed pieces: (decode_s - sum of pieces) / rounds,
-    for the setting in the middle of the list, from its own (known) rounds; the faster of two runs
-    after a warm-up. Never below half the pieces' negative (a noisy piece must not make rounds free)."""
+    """Per-round time a real run of ``params`` spends beyond the timed pieces: (decode_s - sum of
+    pieces) / rounds, from its own (known) rounds; the faster of two runs after a warm-up. Never
+    below half the pieces' negative (a noisy piece must not make rounds free)."""
     block = drafter.block_size
-    setting = settings[len(settings) // 2]
-    if method == "ddtree":
-        generate, params = ddtree.generate, tree_params(setting, block)
-    else:
-        generate, params = dflash.generate, dflash.DFlashParams(chain_length(setting, block))
+    entry = entry_of(params)
+    shape = entry.round_shape(params, block)
     warm = GenerationConfig(min(16, config.max_new_tokens), config.temperature)
-    generate(target, drafter, prompt, warm, params, draft_graphs=draft_graphs)
-    runs = [generate(target, drafter, prompt, config, params, draft_graphs=draft_graphs) for _ in range(2)]
+    entry.generate(target, drafter, prompt, warm, params, draft_graphs=draft_graphs)
+    runs = [entry.generate(target, drafter, prompt, config, params, draft_graphs=draft_graphs) for _ in range(2)]
     out = min(runs, key=lambda run: run.decode_s / max(run.num_rounds, 1))
     if not out.acceptance_lengths:
         return 0.0
     pieces, previous = 0.0, block
     for length in out.acceptance_lengths:
-        pieces += costs.round_s(method, setting, block, length, previous)
+        pieces += costs.round_s(shape, length, previous) - costs.overhead_s.get(shape.method, 0.0)
         previous = length
     rounds = len(out.acceptance_lengths)
     return max((out.decode_s - pieces) / rounds, -0.5 * pieces / rounds)

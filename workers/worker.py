@@ -353,13 +353,13 @@ class Worker:
             tables.append(replay.record(self.target, self.drafter, prompt_ids, config, top_k).to_dict())
         return tables
 
-    def measure_costs(self, spec: TrialSpec, settings: list[dict[str, Any]]) -> dict[str, Any]:
-        """This actor's ``CostTable`` (as a dict) for ``spec.method`` over ``settings`` (flat sweep
-        parameters), timed at a mid-generation context length; calibrated on the first prompt."""
+    def measure_costs(self, spec: TrialSpec, settings: list[MethodParams]) -> dict[str, Any]:
+        """This actor's ``CostTable`` (as a dict) for ``settings`` (parameter objects, any methods),
+        timed at a mid-generation context length; calibrated on the first prompt of ``spec``."""
         prompts, gen = self._prepare(spec)
         mean_prompt = sum(p.shape[1] for p in prompts) // len(prompts)
         table = cost_model.measure_costs(
-            self.target, self.drafter, spec.method.value, settings, mean_prompt + gen.max_new_tokens // 2,
+            self.target, self.drafter, settings, mean_prompt + gen.max_new_tokens // 2,
             calibration_prompt=prompts[0], calibration=gen, draft_graphs=self.draft_graphs,
         )
         return table.to_dict()

@@ -21,9 +21,10 @@ from optuna.trial import TrialState
 from orchestrator.config import load_sweep
 from orchestrator.report import main as report_main
 from tests.orchestrator.conftest import run_sweep, sweep_dict, write_sweep
-from workers.costs import round_lengths
+from workers.decoding import ddtree
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.replay import record
+from workers.decoding.tree import TreeParams
 from workers.errors import BadInputError
 from workers.models.loading import Placement, load_drafter, load_target
 from workers.models.static_target import make_target
@@ -112,7 +113,7 @@ def _first_prompt_tau(small_dir: Path, budget: int) -> float:
     target = make_target(model, drafter.spec.target_layer_ids)
     prompt = load_source(PromptSource(str(small_dir / "prompts.jsonl"), limit=1))[0]
     table = record(target, drafter, torch.tensor([prompt.input_ids]), GenerationConfig(16, 0.0, (0,)), top_k=16)
-    lengths = round_lengths(table, "ddtree", {"tree_budget": budget, "max_depth": 5, "branching": None}, 6)
+    lengths = ddtree.replay_lengths(table, TreeParams(budget, 5), 6)
     return sum(lengths) / len(lengths)
 
 

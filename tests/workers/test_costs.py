@@ -13,26 +13,27 @@ import torch
 from workers.costs import CostTable, measure_costs, predict
 from workers.decoding import ddtree
 from workers.decoding.generation import GenerationConfig
+from workers.decoding.methods import Method, entry
 from workers.decoding.replay import record
 from workers.decoding.tree import TreeParams
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-SETTINGS = [{"tree_budget": b, "max_depth": d, "branching": k}
-            for b in (2, 8, 32) for d in (2, None) for k in (2, None)]
+SETTINGS = [TreeParams(b, d, k) for b in (2, 8, 32) for d in (2, None) for k in (2, None)]
 
 
 @pytest.fixture(scope="module")
 def costs(tiny_small_vocab) -> CostTable:
     tiny = tiny_small_vocab
     prompt = torch.randint(1, 6, (1, 8), generator=torch.Generator().manual_seed(0))
-    return measure_costs(tiny.target, tiny.drafter, "ddtree", SETTINGS, context_length=16,
+    return measure_costs(tiny.target, tiny.drafter, SETTINGS, context_length=16,
                          calibration_prompt=prompt, calibration=GenerationConfig(16))
 
 
 def test_the_table_covers_every_piece_a_setting_uses(costs):
-    assert set(costs.verify_s) == {1, 3, 9, 33}  # root only, and root + budget nodes
+    # root only, and root + the nodes a tree can hold: the budget, or 2 + 4 = 6 at depth 2, branching 2
+    assert set(costs.verify_s) == {1, 3, 7, 9, 33}
     assert set(costs.commit_s) == set(range(1, 7)) and set(costs.draft_s) == {1, 6}
     assert set(costs.tree_s) == {"2", "None"} and all(set(d) == {2, 5} for d in costs.tree_s.values())
     assert all(v > 0 for table in (costs.verify_s, costs.commit_s, costs.draft_s) for v in table.values())
@@ -51,10 +52,9 @@ def test_prediction_counts_the_real_rounds(tiny_small_vocab, costs):
     prompts = [torch.randint(1, 6, (1, n), generator=torch.Generator().manual_seed(n)) for n in (5, 9)]
     config = GenerationConfig(20, stop_token_ids=(0,))
     tables = [record(tiny.target, tiny.drafter, p, config, top_k=32) for p in prompts]
-    for setting in SETTINGS:
-        params = TreeParams(setting["tree_budget"], setting["max_depth"] or 5, setting["branching"])
+    for params in SETTINGS:
         outs = [ddtree.generate(tiny.target, tiny.drafter, p, config, params) for p in prompts]
-        predicted = predict(tables, costs, "ddtree", setting, 6, ceiling=32)
+        predicted = predict(tables, costs, params, 6, ceiling=32)
         assert predicted.rounds == sum(o.num_rounds for o in outs)
         assert predicted.tokens == sum(len(o.token_ids) for o in outs)
         lengths = [length for o in outs for length in o.acceptance_lengths]
@@ -63,7 +63,7 @@ def test_prediction_counts_the_real_rounds(tiny_small_vocab, costs):
         for out in outs:  # each round priced by its width, its path and the previous round's commit
             previous = 6  # the first drafter pass reads the prompt: priced as a full block
             for length in out.acceptance_lengths:
-                expected += costs.round_s("ddtree", setting, 6, length, previous)
+                expected += costs.round_s(entry(Method.DDTREE).round_shape(params, 6), length, previous)
                 previous = length
         assert predicted.decode_s == pytest.approx(expected) and expected > 0
         assert predicted.tokens_per_s == pytest.approx(predicted.tokens / predicted.decode_s)

@@ -1,4 +1,5 @@
-"""What a method's parameter object knows about its knobs: names, help, defaults, block limits.
+"""What a method's parameter object knows about its knobs: names, help, defaults, block limits;
+and ``RoundShape``, what one round of a setting runs (the words the cost model prices).
 
 Each engine owns one frozen dataclass of parameters (``TreeParams`` for DDTree, ``DFlashParams``,
 ``ARParams``) that derives from ``MethodParams`` and lists its ``KNOBS``. Everything that names or
@@ -83,3 +84,20 @@ class MethodParams:
 @dataclass(frozen=True)
 class ARParams(MethodParams):
     """Autoregressive decoding has no knobs."""
+
+
+@dataclass(frozen=True)
+class RoundShape:
+    """What one round of a setting runs, as the cost model prices it (``workers.costs``).
+
+    method:       the method's name (the cost table calibrates a per-round remainder per method);
+    verify_width: positions of the round's target pass, the root (bonus) included;
+    drafts:       one drafter pass per round, and a commit of the accepted path after the verify;
+                  False: AR's round, one ``advance`` that commits its token as it goes;
+    tree:         the DDTree parameters whose tree is built every round (None: no tree).
+    """
+
+    method: str
+    verify_width: int
+    drafts: bool
+    tree: Any = None  # a TreeParams (decoding.tree), named loosely: knobs sits below tree

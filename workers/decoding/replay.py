@@ -29,6 +29,20 @@ from workers.decoding.sampling import make_generator, sample_tokens
 from workers.decoding.tree import TreeParams, accepted_nodes, build_tree
 
 
+@dataclass(frozen=True)
+class ReplayPlan:
+    """What the replay tables must hold for a set of settings: ``top_k`` entries per depth (the widest
+    tree any setting builds) and, for trees, the ``ceiling`` budget whose trees every smaller budget
+    shares (None: no trees)."""
+
+    top_k: int = 1
+    ceiling: int | None = None
+
+    def merge(self, other: ReplayPlan) -> ReplayPlan:
+        ceilings = [c for c in (self.ceiling, other.ceiling) if c is not None]
+        return ReplayPlan(max(self.top_k, other.top_k), max(ceilings) if ceilings else None)
+
+
 @dataclass
 class ReplayTable:
     """One prompt's AR continuation and the drafter's view at every position a round can start from.
@@ -151,6 +165,20 @@ def _simulate(table: ReplayTable, accepted_at) -> list[int]:
             if token in stops or offset + 1 >= limit:
                 return rounds
         g += accepted + 1
+
+
+def output_length(table: ReplayTable) -> int:
+    """Tokens the engines output for this prompt (the same for every setting: the AR output, cut)."""
+    stops = set(table.stop_token_ids)
+    for index, token in enumerate(table.tokens[: table.max_new_tokens]):
+        if token in stops:
+            return index + 1
+    return table.max_new_tokens
+
+
+def ar_lengths(table: ReplayTable) -> list[int]:
+    """AR's rounds: one token each, after the prefill's."""
+    return [1] * (output_length(table) - 1)
 
 
 def tree_path(table: ReplayTable, g: int, max_depth: int, branching: int | None, ceiling: int) -> list[int]:

@@ -55,6 +55,23 @@ class TreeParams(MethodParams):
             raise ValueError(f"branching must be >= 1, got {self.branching}")
 
 
+def tree_size(params: TreeParams, depth_limit: int, vocab_size: int | None = None) -> int:
+    """Nodes besides the root of the tree ``build_tree`` makes from ``depth_limit`` rows of a
+    ``vocab_size`` vocabulary (None: larger than any top-K): the budget, unless depth and branching
+    cap it lower (each depth keeps at most ``budget`` prefixes, each with at most top-K children;
+    depth 4 and branching 2 hold 2 + 4 + 8 + 16 = 30 nodes whatever the budget)."""
+    top_k = params.budget if params.branching is None else min(params.budget, params.branching)
+    if vocab_size is not None:
+        top_k = min(top_k, vocab_size)
+    total, level = 0, 1
+    for _ in range(depth_limit):
+        level = min(params.budget, level * top_k)
+        total += level
+        if total >= params.budget:
+            return params.budget
+    return total
+
+
 def build_tree(draft_log_probs: torch.Tensor, params: TreeParams, kernels: bool | None = None) -> DraftTree:
     """draft_log_probs [L, V] (log-softmax of the drafter, one row per future position) -> DraftTree.
 
