@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from workers.decoding import ar, ddtree, dflash
 from workers.decoding.drafting import DraftGraphStore
 from workers.decoding.generation import GenerationConfig, StageTimer, device_sync
-from workers.decoding.tree import TreeParams
+from workers.decoding.params import DFlashParams, TreeParams
 from workers.memory import MemoryTracer
 from workers.metrics import summarize
 from workers.models.drafter import DFlashDrafter
@@ -25,7 +25,8 @@ from workers.models.drafter_config import DrafterSpec
 from workers.models.static_target import make_target
 from workers.prompts import Prompt
 from workers.tiny import write_tiny_pair
-from workers.worker import TrialSpec, Worker, WorkerConfig
+from workers.wire import TrialSpec, WorkerConfig
+from workers.worker import Worker
 
 
 def random_pair(layers: int, hidden: int, vocab: int, device: torch.device):
@@ -57,7 +58,7 @@ def main() -> None:
     config = GenerationConfig(args.max_new_tokens)
     print(f"target {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params bf16, prompt {args.prompt_length}")
 
-    runs = [("ar", ar.generate, None, None), ("dflash", dflash.generate, drafter, dflash.DFlashParams())]
+    runs = [("ar", ar.generate, None, None), ("dflash", dflash.generate, drafter, DFlashParams())]
     runs += [(f"ddtree B={b}", ddtree.generate, drafter, TreeParams(b)) for b in (16, 64, 256, 1024)]
     baseline = None
     print(f"{'setting':>14} {'tok/s':>8} {'tau':>5} {'ms/round':>9} {'draft':>6} {'tree':>6} {'verify':>7} "

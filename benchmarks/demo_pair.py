@@ -20,7 +20,7 @@ from rich.table import Table
 
 from workers.decoding import ar, ddtree, dflash
 from workers.decoding.generation import GenerationConfig
-from workers.decoding.tree import TreeParams
+from workers.decoding.params import DFlashParams, TreeParams
 from workers.metrics import summarize
 from workers.models.loading import Placement, load_drafter, load_target, load_tokenizer
 from workers.models.static_target import make_target
@@ -47,7 +47,7 @@ def main() -> None:
                for p in load_prompts(args.folder / "prompts.jsonl", args.limit)]
     config = GenerationConfig(args.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer, model.config))
 
-    settings = [("ar", ar.generate, None, None), ("dflash", dflash.generate, drafter, dflash.DFlashParams())]
+    settings = [("ar", ar.generate, None, None), ("dflash", dflash.generate, drafter, DFlashParams())]
     settings += [(f"ddtree B={b}", ddtree.generate, drafter, TreeParams(int(b))) for b in args.budgets.split(",")]
     table = Table(title=f"demo pair {args.folder}: {len(prompts)} held-out prompts x {args.max_new_tokens} tokens, "
                         f"CPU float32, {args.threads} threads")

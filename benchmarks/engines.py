@@ -20,7 +20,7 @@ from rich.table import Table
 
 from workers.decoding import ar, ddtree, dflash
 from workers.decoding.generation import GenerationConfig, StageTimer
-from workers.decoding.tree import TreeParams
+from workers.decoding.params import DFlashParams, TreeParams
 from workers.metrics import summarize
 from workers.models.loading import Placement, load_drafter, load_target
 from workers.models.static_target import make_target
@@ -53,7 +53,7 @@ def main() -> None:
     depth = shape.block_size - 1
 
     settings = [("ar", ar.generate, None, None)]
-    settings += [(f"dflash n={n}", dflash.generate, drafter, dflash.DFlashParams(n)) for n in (3, depth)]
+    settings += [(f"dflash n={n}", dflash.generate, drafter, DFlashParams(n)) for n in (3, depth)]
     settings += [
         (f"ddtree B={b}", ddtree.generate, drafter, TreeParams(b)) for b in (4, 16, 64, 256)
     ] + [(f"ddtree B=64 K=2 L={depth // 2}", ddtree.generate, drafter, TreeParams(64, depth // 2, 2))]

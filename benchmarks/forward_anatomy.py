@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from workers.decoding import ddtree
 from workers.decoding.drafting import DraftGraphStore, EagerDrafting
 from workers.decoding.generation import GenerationConfig
-from workers.decoding.tree import TreeParams
+from workers.decoding.params import TreeParams
 from workers.models.shapes import build_random_drafter, build_random_target
 from workers.models.static_target import StaticTarget
 

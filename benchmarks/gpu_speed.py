@@ -27,10 +27,10 @@ import time
 import torch
 
 from workers.decoding import ar, ddtree, dflash
-from workers.decoding.dflash import DFlashParams
 from workers.decoding.drafting import DraftGraphStore, EagerDrafting
 from workers.decoding.generation import GenerationConfig
-from workers.decoding.tree import TreeParams, build_tree, follow_tree
+from workers.decoding.params import DFlashParams, TreeParams
+from workers.decoding.tree import build_tree, follow_tree
 from workers.models.reference import AttentionTarget
 from workers.models.shapes import build_random_drafter, build_random_target
 from workers.models.static_target import StaticTarget

@@ -46,7 +46,8 @@ def main() -> int:
         if width <= 16:
             target.verify_chain(tokens)
         else:
-            from workers.decoding.tree import TreeParams, build_tree
+            from workers.decoding.params import TreeParams
+            from workers.decoding.tree import build_tree
 
             log_probs = torch.log_softmax(torch.randn(15, vocab, device="cuda") * 4, dim=-1)
             target.verify_tree(tokens[0], build_tree(log_probs, TreeParams(width - 1, max_depth=15)).to("cuda"))

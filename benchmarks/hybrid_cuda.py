@@ -24,10 +24,10 @@ import time
 import torch
 
 from workers.decoding import ar, ddtree, dflash
-from workers.decoding.dflash import DFlashParams
 from workers.decoding.drafting import DraftGraphStore
 from workers.decoding.generation import GenerationConfig
-from workers.decoding.tree import TreeParams, build_tree
+from workers.decoding.params import DFlashParams, TreeParams
+from workers.decoding.tree import build_tree
 from workers.models.deltanet import full_state_bytes, tree_state_bytes
 from workers.models.drafter import DFlashDrafter
 from workers.models.drafter_config import DrafterSpec

@@ -28,7 +28,8 @@ from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 
 from workers.decoding import tree_triton
-from workers.decoding.tree import TreeParams, build_tree
+from workers.decoding.params import TreeParams
+from workers.decoding.tree import build_tree
 from workers.models import attention_triton, deltanet, fused_hybrid_triton, gdn_triton
 from workers.models.shapes import TARGETS
 

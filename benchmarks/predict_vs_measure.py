@@ -29,7 +29,8 @@ from workers.decoding.methods import entry
 from workers.decoding.replay import ReplayTable
 from workers.prompts import Prompt
 from workers.tiny import TinyShape, write_tiny_pair
-from workers.worker import TrialSpec, Worker, WorkerConfig
+from workers.wire import TrialSpec, WorkerConfig
+from workers.worker import Worker
 
 DEFAULT_BUDGETS = (4, 8, 16, 32, 64)
 DEFAULT_DEPTHS = (3, None)

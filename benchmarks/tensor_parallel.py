@@ -28,8 +28,9 @@ def measure(tp, args: argparse.Namespace) -> dict:
     """One rank's measurements (every rank runs this in lockstep; rank 0's numbers are printed)."""
     from workers.decoding import ar, ddtree
     from workers.decoding.generation import GenerationConfig
-    from workers.decoding.tree import TreeParams
-    from workers.worker import Worker, WorkerConfig
+    from workers.decoding.params import TreeParams
+    from workers.wire import WorkerConfig
+    from workers.worker import Worker
 
     world = 1 if tp is None else tp.world
     config = WorkerConfig(target=f"random:{args.shape}", drafter=f"random:{args.shape}", dtype=args.dtype,

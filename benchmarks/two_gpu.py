@@ -16,14 +16,14 @@ from pathlib import Path
 
 import torch
 
-from workers.decoding.dflash import DFlashParams
-from workers.decoding.tree import TreeParams
+from workers.decoding.params import DFlashParams, TreeParams
 from workers.models.drafter import DFlashDrafter
 from workers.models.drafter_config import DrafterSpec
 from workers.models.loading import save_drafter
 from workers.models.static_target import StaticTarget
 from workers.prompts import Prompt
-from workers.worker import TrialSpec, Worker, WorkerConfig
+from workers.wire import TrialSpec, WorkerConfig
+from workers.worker import Worker
 
 
 def write_checkpoints(folder: Path) -> tuple[Path, Path]:

@@ -18,8 +18,8 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from workers.decoding.knobs import MethodParams
 from workers.decoding.methods import METHODS, Method, MethodEntry
+from workers.decoding.params import MethodParams
 from workers.errors import BadInputError
 from workers.prompts import BENCHMARKS, PromptSource
 
@@ -429,7 +429,7 @@ def check_models_available(config: SweepConfig, path: str) -> None:
     """A model folder that is not there, or a hub id missing from the cache when models must come from
     this machine: refused in seconds, before anything is created (not in ``load_sweep``: a report
     of a finished sweep needs no models)."""
-    from workers.models.loading import check_model_available
+    from workers.models.sources import check_model_available
 
     sections = {"target.model": config.target, "drafter.model": config.drafter}
     for field, section in sections.items():
@@ -503,8 +503,8 @@ def drafter_spec(config: SweepConfig, source: str):
     or a random:<shape>), every field checked as the worker will check it (BadInputError naming the
     field and the file); None for a hub id not downloaded yet (the worker checks it after fetching)."""
     from workers.models.drafter_config import DrafterSpec
-    from workers.models.loading import ModelSource, cached_config_file
     from workers.models.shapes import drafter_config
+    from workers.models.sources import ModelSource, cached_config_file
 
     if config.drafter is None:
         return None

@@ -44,7 +44,6 @@ from orchestrator import locks
 from orchestrator import study as studies
 from orchestrator.config import METRICS, SweepConfig, check_against_block
 from orchestrator.pool import ACTOR_DEATH, Slot, check_resources, release_pool, replace_actor, start_pool
-from orchestrator.predictor import Predictor
 from orchestrator.progress import Progress
 from orchestrator.signals import RAY_ENV, Interrupted, StopSignals, ray_init_keeps_ours
 from orchestrator.tracking import (
@@ -58,9 +57,9 @@ from orchestrator.tracking import (
     root_reason,
     sweep_params,
 )
-from workers.decoding.knobs import ARParams, MethodParams
+from workers.decoding.params import ARParams, MethodParams
 from workers.prompts import load_source
-from workers.worker import TrialResult, TrialSpec, TrialStatus
+from workers.wire import TrialResult, TrialSpec, TrialStatus
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 MAX_ATTEMPTS = 2  # a trial whose actor died is re-run once on the restarted actor, then failed
@@ -104,7 +103,7 @@ class Driver:
         self.parent_id: str | None = None
         self.ray_started = False
         self.failures_in_a_row, self.last_error = 0, ""
-        self.predictor: Predictor | None = None
+        self.predictor = None  # an orchestrator.predictor.Predictor, when the sweep predicts
 
     # -- set-up --------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -426,6 +425,8 @@ class Driver:
     # -- predictions and early stopping ------------------------------------------------------------
     def _start_predictions(self, block: int | None) -> None:
         """Replay + cost tables from the actors, logged on the parent run; the predicted plan enqueued."""
+        from orchestrator.predictor import Predictor  # the cost model loads torch: only sweeps that predict
+
         self.progress.note("recording the acceptance replay and measuring each actor's costs ...")
         self.predictor = Predictor.gather(self.config, self.slots,
                                           lambda sampled: self._spec(self.config.params_of(sampled), None), block)

@@ -28,8 +28,8 @@ from orchestrator.config import SweepConfig
 from orchestrator.tp_group import GroupError, GroupPlan, RankGroup
 from workers.errors import BadInputError, TrialStopped
 from workers.metrics import summarize
-from workers.models.loading import local_only
-from workers.worker import TrialResult, TrialSpec, Worker, WorkerConfig
+from workers.models.sources import local_only
+from workers.wire import TrialResult, TrialSpec, WorkerConfig
 
 ACTOR_DEATH = (ActorDiedError, ActorUnavailableError, RayActorError)
 
@@ -38,6 +38,8 @@ class GenerationActor:
     """Runs inside Ray. Never touches Optuna or MLflow."""
 
     def __init__(self, worker_config: dict[str, Any], group: GroupPlan | None = None) -> None:
+        from workers.worker import Worker  # here, in the actor's process: the driver never loads torch
+
         self.worker, self.load_error, self.group = None, None, None
         try:
             tp = None

@@ -26,7 +26,8 @@ import ray
 from orchestrator import study as studies
 from orchestrator.config import SweepConfig
 from workers.costs import CostTable, predict
-from workers.decoding.replay import ReplayPlan, ReplayTable
+from workers.decoding.params import ReplayPlan
+from workers.decoding.replay import ReplayTable
 
 
 def replay_plan(config: SweepConfig, block_size: int) -> ReplayPlan:

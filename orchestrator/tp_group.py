@@ -20,7 +20,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -28,10 +28,11 @@ from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from workers.errors import SpecDecError
-from workers.local_group import free_port
-from workers.memory import MemoryTrace
-from workers.models.tensor_parallel import join_group
-from workers.worker import TrialResult, TrialStatus, Worker, WorkerConfig
+from workers.net import free_port
+from workers.wire import MemoryTrace, TrialResult, TrialStatus, WorkerConfig
+
+if TYPE_CHECKING:
+    from workers.worker import Worker
 
 
 class GroupError(SpecDecError):
@@ -73,6 +74,9 @@ class RankActor:
 
     def __init__(self, worker_config: dict[str, Any], rank: int, world: int, init_method: str, backend: str,
                  timeout_s: float) -> None:
+        from workers.models.tensor_parallel import join_group  # the rank's process loads torch, not the driver
+        from workers.worker import Worker
+
         tp = join_group(rank, world, init_method, backend, timeout_s)
         self.worker = Worker(WorkerConfig(**worker_config)).load(tp)
 
@@ -108,6 +112,8 @@ class RankGroup:
     def join(self):
         """Rank 0 joins (returns its TPGroup); blocks until every rank has, or the timeout."""
         try:
+            from workers.models.tensor_parallel import join_group  # in rank 0's actor, never in the driver
+
             return join_group(0, self.plan.ranks, self.init_method, self.plan.backend, self.plan.timeout_s)
         except RuntimeError as exc:  # torch's store / process-group errors (timeouts included)
             raise GroupError(f"tensor-parallel group of {self.plan.ranks} ranks did not form within "

@@ -36,11 +36,11 @@ from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.tracking import MlflowClient
 
 from workers.errors import BadInputError, SpecDecError
-from workers.memory import KIND_RSS, MemoryTrace
 from workers.metrics import acceptance_columns
+from workers.wire import KIND_RSS, MemoryTrace
 
 if TYPE_CHECKING:
-    from workers.worker import TrialResult
+    from workers.wire import TrialResult
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"  # read by the MLflow 3 UI to pick the experiment's view
 MODEL_DEVELOPMENT = "custom_model_development"
@@ -234,7 +234,7 @@ class Tracker:
     def finish_pruned(self, run_id: str, result: TrialResult, started_ms: int, prompts_done: int) -> bool:
         """A pruned trial: what it measured, tagged trial_status=pruned, FINISHED (so a resumed
         driver finds it and tells Optuna PRUNED again instead of re-running it)."""
-        from workers.worker import TrialStatus
+        from workers.wire import TrialStatus
 
         if self.status(run_id) != "RUNNING":
             return False

@@ -31,10 +31,11 @@ import os
 import sys
 from typing import NoReturn
 
-from workers.decoding.knobs import MethodParams
 from workers.decoding.methods import METHODS, Method, all_knobs
+from workers.decoding.params import MethodParams
 from workers.errors import BadInputError
-from workers.models.loading import DTYPES, ModelSource
+from workers.models.loading import DTYPES
+from workers.models.sources import ModelSource
 from workers.prompts import BENCHMARKS
 
 
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     params = _method_params(args, parser)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    from workers.worker import TrialStatus
+    from workers.wire import TrialStatus
 
     if args.tensor_parallel > 1:
         from workers.local_group import run_local_group
@@ -168,9 +169,11 @@ def _bench_rank(tp, args: argparse.Namespace, params: MethodParams):
 
 def _bench(args: argparse.Namespace, params: MethodParams, tp=None):
     """Load and run the trial: ("result", TrialResult) or ("bad_input", message). ``tp``: this rank."""
-    from workers.models.loading import check_model_available, thinking_warning
+    from workers.models.loading import thinking_warning
+    from workers.models.sources import check_model_available
     from workers.prompts import PromptSource, load_source
-    from workers.worker import TrialSpec, Worker, WorkerConfig
+    from workers.wire import TrialSpec, WorkerConfig
+    from workers.worker import Worker
 
     try:
         check_model_available(args.target, "--target", args.local_files_only)

@@ -2,7 +2,7 @@
 
 The field's identity (CaDDTree, BASTION, Sequoia): tokens/s = committed tokens / sum over rounds of
 (draft + tree build + verify(q) + commit; AR: one advance). A setting is its method's parameter
-object; what one of its rounds runs is its ``RoundShape`` (``workers.decoding.methods``), which this
+object; what one of its rounds runs is its ``RoundShape`` (``workers.decoding.params``), which this
 module prices without knowing the method. ``measure_costs`` times each piece on this actor's target
 and drafter, once: the verify pass per width q (root + nodes), the drafter's pass per new-context
 length, the tree build per (budget, branching, depth), the commit per path length, and a per-round
@@ -26,10 +26,10 @@ import torch
 
 from workers.decoding.drafting import DraftGraphStore, open_drafting
 from workers.decoding.generation import GenerationConfig, device_sync
-from workers.decoding.knobs import MethodParams, RoundShape
 from workers.decoding.methods import entry_of
+from workers.decoding.params import MethodParams, RoundShape, TreeParams
 from workers.decoding.replay import ReplayTable, output_length
-from workers.decoding.tree import TreeParams, build_tree
+from workers.decoding.tree import build_tree
 
 MAX_ANCHORS = 16  # verify widths measured when the space has more (the rest interpolated)
 TREE_BUDGET_ANCHORS = 6

@@ -13,7 +13,6 @@ group does the same job across actors (``orchestrator``).
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 
 from workers.models.tensor_parallel import TPGroup, join_group
+from workers.net import free_port
 
 
 @dataclass(frozen=True)
@@ -36,13 +36,6 @@ class RankOutcome:
     @property
     def ok(self) -> bool:
         return self.exitcode == 0 and self.error is None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` ("": every interface) that was free a moment ago (a group's rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def run_local_group(world: int, fn: Callable[..., Any], args: tuple = (), backend: str | None = None,

@@ -15,71 +15,17 @@ import gc
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import torch
 
-GIB = float(1 << 30)
+from workers.wire import KIND_CUDA, KIND_RSS, PEAK_KEYS, MemorySample, MemoryTrace
+
 NO_DEVICE_NOTE = "no CUDA device: nothing to sample"
-# What a trace measured: the CUDA caching allocator per GPU, or the whole process's resident memory.
-KIND_CUDA, KIND_RSS = "cuda", "process_rss"
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_PEAK_KEYS = ("peak_allocated_bytes", "peak_reserved_bytes", "peak_nvml_used_bytes")
 
 # device index -> (allocated_bytes, reserved_bytes, nvml_used_bytes or None)
 Reader = Callable[[int], tuple[int, int, int | None]]
-
-
-@dataclass(frozen=True)
-class MemorySample:
-    t_s: float  # seconds since the trace started
-    device: int  # index as torch sees it (within CUDA_VISIBLE_DEVICES)
-    allocated_bytes: int
-    reserved_bytes: int
-    nvml_used_bytes: int | None = None  # device-wide, includes other processes and the context
-
-
-@dataclass(frozen=True)
-class MemoryTrace:
-    samples: tuple[MemorySample, ...] = ()
-    devices: tuple[int, ...] = ()
-    interval_ms: float = 50.0  # effective interval: doubles each time the samples are decimated
-    peak_allocated_bytes: dict[int, int] = field(default_factory=dict)
-    peak_reserved_bytes: dict[int, int] = field(default_factory=dict)
-    peak_nvml_used_bytes: dict[int, int] = field(default_factory=dict)
-    note: str = ""
-    kind: str = KIND_CUDA  # KIND_RSS: allocated_bytes and reserved_bytes both carry the process's RSS
-
-    @property
-    def peak_gib(self) -> float:
-        """`peak_memory_gib` metric: max over devices of peak reserved memory."""
-        return max(self.peak_gib_per_device().values(), default=0.0)
-
-    def peak_gib_per_device(self) -> dict[int, float]:
-        return {d: b / GIB for d, b in self.peak_reserved_bytes.items()}
-
-    def to_rows(self) -> list[dict[str, Any]]:
-        return [asdict(s) for s in self.samples]
-
-    def to_dict(self) -> dict[str, Any]:
-        # Peak keys become strings here so that a JSON round trip gives back exactly this dict.
-        data: dict[str, Any] = {"samples": self.to_rows(), "devices": list(self.devices)}
-        data.update(interval_ms=self.interval_ms, note=self.note, kind=self.kind)
-        for key in _PEAK_KEYS:
-            data[key] = {str(d): int(v) for d, v in getattr(self, key).items()}
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> MemoryTrace:
-        return cls(
-            samples=tuple(MemorySample(**s) for s in data.get("samples", [])),
-            devices=tuple(int(d) for d in data.get("devices", [])),
-            interval_ms=float(data.get("interval_ms", 50.0)),
-            note=str(data.get("note", "")),
-            kind=str(data.get("kind", KIND_CUDA)),
-            **{k: {int(d): int(v) for d, v in data.get(k, {}).items()} for k in _PEAK_KEYS},
-        )
 
 
 def reset_and_empty_cache() -> None:
@@ -170,7 +116,7 @@ class MemoryTracer:
         self._hwm_reset = False
         self._devices: tuple[int, ...] = ()
         self._ticks: list[tuple[MemorySample, ...]] = []  # per tick, so decimation keeps devices together
-        self._peaks: dict[str, dict[int, int]] = {k: {} for k in _PEAK_KEYS}  # running maxima
+        self._peaks: dict[str, dict[int, int]] = {k: {} for k in PEAK_KEYS}  # running maxima
         self._notes: list[str] = []
         self._errors = 0
         self._n_samples = 0

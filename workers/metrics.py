@@ -5,8 +5,12 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from workers.decoding.generation import STAGES, GenerationOutput
+from workers.decoding.params import STAGES
+
+if TYPE_CHECKING:
+    from workers.decoding.generation import GenerationOutput
 
 
 def summarize(

@@ -20,8 +20,6 @@ import json
 import os
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
-from enum import Enum
 from typing import Any
 
 import torch
@@ -36,15 +34,14 @@ from workers.decoding.generation import (
     StageTimer,
     device_sync,
 )
-from workers.decoding.knobs import ARParams, MethodParams
-from workers.decoding.methods import METHODS, Method, method_of
+from workers.decoding.methods import METHODS
+from workers.decoding.params import ARParams, MethodParams
 from workers.errors import BadInputError, TrialStopped
-from workers.memory import KIND_CUDA, MemoryTrace, MemoryTracer, reset_and_empty_cache
+from workers.memory import MemoryTracer, reset_and_empty_cache
 from workers.metrics import acceptance_histogram, median_run, per_category, summarize
 from workers.models.drafter import DFlashDrafter
 from workers.models.drafter_config import DrafterSpec
 from workers.models.loading import (
-    ModelSource,
     Placement,
     load_drafter,
     load_target,
@@ -53,96 +50,13 @@ from workers.models.loading import (
     resolve_checkpoint_dir,
 )
 from workers.models.placement import drafter_bytes_for
+from workers.models.sources import ModelSource
 from workers.models.static_target import make_target
 from workers.models.tensor_parallel import TPGroup, shard_model
-from workers.prompts import ChatFormat, Prompt, encode, stop_token_ids
+from workers.prompts import ChatFormat, encode, stop_token_ids
+from workers.wire import KIND_CUDA, PromptResult, TrialResult, TrialSpec, TrialStatus, WorkerConfig
 
 WARMUP_TOKENS = 16
-
-
-class TrialStatus(str, Enum):
-    OK = "ok"
-    OOM = "oom"  # out of memory: a result (infeasible), not a failure
-    ERROR = "error"
-    PRUNED = "pruned"  # stopped early by the sweep's pruner (``on_prompt`` raised TrialStopped)
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    target: str
-    drafter: str | None = None  # required for dflash / ddtree
-    dtype: str = "bfloat16"
-    device: str = "auto"
-    gpus: int = 1
-    max_memory_per_gpu: str | None = None
-    attn_implementation: str = "sdpa"
-    local_files_only: bool = False  # the target and its tokenizer from this machine only (no network)
-    drafter_local_files_only: bool = False  # the drafter likewise
-    memory_interval_ms: float = 50.0
-    chat_template: bool = True  # False: raw prompt text (no chat template)
-    enable_thinking: bool = False  # only for targets whose template has the switch
-    cuda_graphs: bool = True  # replay verify passes as CUDA graphs (a whole target on one GPU); False to debug
-    compile_layers: bool = False  # torch.compile the decoder layers too (~30% faster forwards, ~1 min per pass width)
-    tensor_parallel: int = 1  # ranks the target is sharded over (one process and device each; see load(tp))
-
-
-@dataclass(frozen=True)
-class TrialSpec:
-    params: MethodParams  # the method's parameter object (TreeParams, DFlashParams, ARParams)
-    prompts: tuple[Prompt, ...]
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    seed: int = 0
-    stop_token_ids: tuple[int, ...] | None = None  # None: the target's eos tokens
-    # per-stage shares: synchronises the device around every stage, so it slows what it measures;
-    # the AR baseline is then timed the same way
-    stage_timing: bool = False
-    warmup: bool = True
-    baseline: bool = True  # also measure (once, cached) AR on the same prompts: speedup, lossless_match
-    repeats: int = 1  # each prompt generated this many times; the run with its median decode time counts
-    fault: str | None = None  # "oom" | "error" | "crash": fault injection for tests (crash kills the process)
-
-    @property
-    def method(self) -> Method:
-        return method_of(self.params)
-
-
-@dataclass(frozen=True)
-class PromptResult:
-    token_ids: list[int]
-    acceptance_lengths: list[int]
-
-
-@dataclass(frozen=True)
-class TrialResult:
-    status: TrialStatus
-    method: Method
-    params: dict[str, int | None]  # knob name -> value
-    metrics: dict[str, float | None] = field(default_factory=dict)
-    acceptance_histogram: dict[int, int] = field(default_factory=dict)
-    outputs: list[PromptResult] = field(default_factory=list)
-    memory_trace: MemoryTrace = field(default_factory=MemoryTrace)
-    error: str | None = None
-    wall_s: float = 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        """The one JSON shape of a result: the bench's ``--json`` output and MLflow's result.json."""
-        trace = self.memory_trace
-        return {
-            "method": self.method.value,
-            "params": self.params,
-            "status": self.status.value,
-            "error": self.error,
-            "wall_s": self.wall_s,
-            "metrics": self.metrics,
-            "acceptance_histogram": {str(k): v for k, v in self.acceptance_histogram.items()},
-            "memory": {
-                "kind": trace.kind,  # "cuda": reserved bytes per GPU; "process_rss": the process's peak RSS as device 0
-                "peak_reserved_bytes": {str(k): v for k, v in trace.peak_reserved_bytes.items()},
-                "note": trace.note,
-            },
-            "outputs": [asdict(o) for o in self.outputs],
-        }
 
 
 class Worker:

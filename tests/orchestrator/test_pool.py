@@ -37,10 +37,10 @@ from orchestrator.pool import (
 )
 from tests.orchestrator.conftest import sweep_dict
 from workers.decoding.methods import Method
-from workers.decoding.tree import TreeParams
+from workers.decoding.params import TreeParams
 from workers.errors import BadInputError
 from workers.prompts import load_prompts
-from workers.worker import TrialResult, TrialSpec, TrialStatus
+from workers.wire import TrialResult, TrialSpec, TrialStatus
 
 BLOCK_SIZE = 8  # the tiny drafter's block (TinyShape.block_size)
 GET_TIMEOUT = 180.0  # seconds for any single ray.get: actors load models on 2 shared cores

@@ -23,8 +23,8 @@ from orchestrator.report import main as report_main
 from tests.orchestrator.conftest import run_sweep, sweep_dict, write_sweep
 from workers.decoding import ddtree
 from workers.decoding.generation import GenerationConfig
+from workers.decoding.params import TreeParams
 from workers.decoding.replay import record
-from workers.decoding.tree import TreeParams
 from workers.errors import BadInputError
 from workers.models.loading import Placement, load_drafter, load_target
 from workers.models.static_target import make_target
@@ -181,7 +181,7 @@ def test_a_crash_after_the_pruned_run_was_logged_recovers_as_pruned(tiny_dir, tm
     from orchestrator.driver import Driver
     from orchestrator.tracking import Tracker
     from workers.decoding.methods import Method
-    from workers.worker import TrialResult, TrialStatus
+    from workers.wire import TrialResult, TrialStatus
 
     sweep = write_sweep(tmp_path / "sweep.yaml", sweep_dict(tiny_dir, tmp_path / "runs", pruner={"type": "median"}))
     config = load_sweep(sweep)

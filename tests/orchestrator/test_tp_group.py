@@ -28,14 +28,11 @@ from orchestrator.tp_group import merge_ranks
 from tests.orchestrator.conftest import run_sweep, start_sweep, sweep_dict, write_sweep
 from tests.orchestrator.test_pool import two_nodes  # noqa: F401 (a fixture)
 from tests.orchestrator.test_resume import assert_consistent
-from workers.decoding.dflash import DFlashParams
-from workers.decoding.knobs import ARParams
 from workers.decoding.methods import Method
-from workers.decoding.tree import TreeParams
+from workers.decoding.params import ARParams, DFlashParams, TreeParams
 from workers.errors import BadInputError
-from workers.memory import KIND_RSS, MemorySample, MemoryTrace
 from workers.prompts import load_prompts
-from workers.worker import PromptResult, TrialResult, TrialSpec, TrialStatus
+from workers.wire import KIND_RSS, MemorySample, MemoryTrace, PromptResult, TrialResult, TrialSpec, TrialStatus
 
 GET_TIMEOUT = 180.0  # seconds for any single ray.get: actors load models on 2 shared cores
 TP2 = {"count": 1, "gpus_per_worker": 0, "parallel": "tensor", "ranks": 2, "join_timeout_s": 60}

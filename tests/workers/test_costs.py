@@ -14,8 +14,8 @@ from workers.costs import CostTable, measure_costs, predict
 from workers.decoding import ddtree
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.methods import Method, entry
+from workers.decoding.params import TreeParams
 from workers.decoding.replay import record
-from workers.decoding.tree import TreeParams
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

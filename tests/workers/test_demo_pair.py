@@ -12,7 +12,7 @@ import torch
 
 from workers.decoding import ar, ddtree, dflash
 from workers.decoding.generation import GenerationConfig
-from workers.decoding.tree import TreeParams
+from workers.decoding.params import DFlashParams, TreeParams
 from workers.demo_pair import HELD_OUT, QUICK, DemoRecipe, build, is_current, main, stdlib_files
 from workers.drafter_training import block_hidden
 from workers.models.loading import Placement, load_drafter, load_target, load_tokenizer
@@ -61,7 +61,7 @@ def test_pair_loads_through_the_project_loaders_and_greedy_ddtree_equals_ar(pair
         assert len(reference) > 0
         for params in (TreeParams(16), TreeParams(4, 3, 2)):
             assert ddtree.generate(target, drafter, ids, config, params).token_ids == reference
-        assert dflash.generate(target, drafter, ids, config, dflash.DFlashParams()).token_ids == reference
+        assert dflash.generate(target, drafter, ids, config, DFlashParams()).token_ids == reference
 
 
 def test_training_forward_matches_the_decoding_forward(pair):

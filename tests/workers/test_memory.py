@@ -10,16 +10,8 @@ import time
 import pytest
 import torch
 
-from workers.memory import (
-    KIND_CUDA,
-    KIND_RSS,
-    NO_DEVICE_NOTE,
-    MemorySample,
-    MemoryTrace,
-    MemoryTracer,
-    process_rss_bytes,
-    reset_and_empty_cache,
-)
+from workers.memory import NO_DEVICE_NOTE, MemoryTracer, process_rss_bytes, reset_and_empty_cache
+from workers.wire import KIND_CUDA, KIND_RSS, MemorySample, MemoryTrace
 
 MiB = 1 << 20
 

@@ -12,8 +12,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from workers.decoding.knobs import ARParams
-from workers.decoding.tree import TreeParams
+from workers.decoding.params import ARParams, TreeParams
 from workers.errors import BadInputError
 from workers.prompts import (
     BENCHMARKS,
@@ -25,7 +24,8 @@ from workers.prompts import (
     stop_token_ids,
 )
 from workers.tiny import TinyShape, write_tiny_pair
-from workers.worker import TrialSpec, Worker, WorkerConfig
+from workers.wire import TrialSpec, WorkerConfig
+from workers.worker import Worker
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<unk>"]

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from workers.decoding.methods import METHODS, Method
-from workers.decoding.tree import TreeParams
+from workers.decoding.params import TreeParams
 from workers.prompts import Prompt
-from workers.worker import TrialSpec, Worker, WorkerConfig
+from workers.wire import TrialSpec, WorkerConfig
+from workers.worker import Worker
 
 
 @pytest.fixture(scope="module")

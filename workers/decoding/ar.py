@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from workers.decoding.generation import NULL_TIMER, GenerationConfig, GenerationOutput, open_generation
-from workers.decoding.knobs import ARParams, RoundShape
-from workers.decoding.replay import ReplayPlan, ReplayTable, ar_lengths
+from workers.decoding.params import ARParams
+from workers.decoding.replay import ReplayTable, ar_lengths
 from workers.decoding.sampling import sample_tokens
 from workers.seam import Target, Timer
 
@@ -41,17 +41,9 @@ def generate(
     return GenerationOutput(out.tokens, rounds, dict(timer.totals), ttft, decode)
 
 
-# -- the rules the sweep asks of a method (``methods.MethodEntry``) ---------------------------------------
-
-
-def round_shape(params: ARParams, block_size: int | None) -> RoundShape:
-    return RoundShape("ar", verify_width=1, drafts=False)
+# -- its rounds replayed from one AR run (``methods.MethodEntry.replay_lengths``) -----------------------
 
 
 def replay_lengths(table: ReplayTable, params: ARParams, block_size: int | None,
                    ceiling: int | None = None) -> list[int]:
     return ar_lengths(table)
-
-
-def replay_plan(settings: list[ARParams], block_size: int | None) -> ReplayPlan:
-    return ReplayPlan()

@@ -12,10 +12,10 @@ import torch
 
 from workers.decoding.drafting import DraftGraphStore, open_drafting
 from workers.decoding.generation import NULL_TIMER, GenerationConfig, GenerationOutput, open_generation
-from workers.decoding.knobs import RoundShape
-from workers.decoding.replay import ReplayPlan, ReplayTable, ddtree_lengths
+from workers.decoding.params import TreeParams
+from workers.decoding.replay import ReplayTable, ddtree_lengths
 from workers.decoding.sampling import sample_tokens
-from workers.decoding.tree import TreeParams, accepted_nodes, tree_size
+from workers.decoding.tree import accepted_nodes
 from workers.models.drafter import DFlashDrafter
 from workers.seam import Target, Timer
 
@@ -31,7 +31,7 @@ def generate(
     draft_graphs: DraftGraphStore | None = None,
 ) -> GenerationOutput:
     params = params.resolved(drafter.block_size)  # the default depth is block_size-1
-    start = open_generation(target, prompt_ids, config, max_verify=round_shape(params, drafter.block_size).verify_width)
+    start = open_generation(target, prompt_ids, config, max_verify=params.round_shape(drafter.block_size).verify_width)
     out, generator, bonus = start.out, start.generator, start.bonus
     new_context = start.context  # [1, T, k*H]: features of committed tokens the drafter has not seen
     drafting = open_drafting(drafter, target, start.capacity, draft_graphs)
@@ -68,21 +68,8 @@ def generate(
     return GenerationOutput(out.tokens, rounds, dict(timer.totals), ttft, decode)
 
 
-# -- the rules the sweep asks of a method (``methods.MethodEntry``) ---------------------------------------
-
-
-def round_shape(params: TreeParams, block_size: int) -> RoundShape:
-    """The root and every node the tree can hold (the budget, or fewer when depth and branching cap it)."""
-    params = params.resolved(block_size)
-    return RoundShape("ddtree", verify_width=tree_size(params, params.max_depth) + 1, drafts=True, tree=params)
+# -- its rounds replayed from one AR run (``methods.MethodEntry.replay_lengths``) -----------------------
 
 
 def replay_lengths(table: ReplayTable, params: TreeParams, block_size: int, ceiling: int | None = None) -> list[int]:
     return ddtree_lengths(table, params.resolved(block_size), block_size, ceiling)
-
-
-def replay_plan(settings: list[TreeParams], block_size: int) -> ReplayPlan:
-    """Trees of every budget are cut from the largest budget's (the ceiling); each depth keeps the
-    widest top-K any setting reads from those trees."""
-    ceiling = max(p.budget for p in settings)
-    return ReplayPlan(top_k=max(min(ceiling, p.branching or ceiling) for p in settings), ceiling=ceiling)

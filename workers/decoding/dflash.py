@@ -8,27 +8,15 @@ temperature: every committed token is a target sample.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 import torch
 
 from workers.decoding.drafting import DraftGraphStore, open_drafting
 from workers.decoding.generation import NULL_TIMER, GenerationConfig, GenerationOutput, open_generation
-from workers.decoding.knobs import Knob, MethodParams, RoundShape
-from workers.decoding.replay import ReplayPlan, ReplayTable, dflash_lengths
+from workers.decoding.params import DFlashParams
+from workers.decoding.replay import ReplayTable, dflash_lengths
 from workers.decoding.sampling import sample_tokens
 from workers.models.drafter import DFlashDrafter
 from workers.seam import Target, Timer
-
-
-@dataclass(frozen=True)
-class DFlashParams(MethodParams):
-    KNOBS: ClassVar[tuple[Knob, ...]] = (
-        Knob("num_draft_tokens", "DFlash chain length (default block_size-1)", below_block=True),
-    )
-
-    num_draft_tokens: int | None = None  # 1..block_size-1; None = block_size-1
 
 
 @torch.inference_mode()
@@ -42,7 +30,7 @@ def generate(
     draft_graphs: DraftGraphStore | None = None,
 ) -> GenerationOutput:
     num_draft = params.resolved(drafter.block_size).num_draft_tokens
-    start = open_generation(target, prompt_ids, config, max_verify=round_shape(params, drafter.block_size).verify_width)
+    start = open_generation(target, prompt_ids, config, max_verify=params.round_shape(drafter.block_size).verify_width)
     out, generator, bonus = start.out, start.generator, start.bonus
     new_context = start.context  # [1, T, k*H]: features of committed tokens the drafter has not seen
     drafting = open_drafting(drafter, target, start.capacity, draft_graphs)
@@ -73,17 +61,8 @@ def generate(
     return GenerationOutput(out.tokens, rounds, dict(timer.totals), ttft, decode)
 
 
-# -- the rules the sweep asks of a method (``methods.MethodEntry``) ---------------------------------------
-
-
-def round_shape(params: DFlashParams, block_size: int) -> RoundShape:
-    """A chain of num_draft guesses after the bonus, verified in one pass."""
-    return RoundShape("dflash", verify_width=params.resolved(block_size).num_draft_tokens + 1, drafts=True)
+# -- its rounds replayed from one AR run (``methods.MethodEntry.replay_lengths``) -----------------------
 
 
 def replay_lengths(table: ReplayTable, params: DFlashParams, block_size: int, ceiling: int | None = None) -> list[int]:
     return dflash_lengths(table, params.resolved(block_size).num_draft_tokens)
-
-
-def replay_plan(settings: list[DFlashParams], block_size: int) -> ReplayPlan:
-    return ReplayPlan(top_k=1)  # the chain reads each depth's argmax only

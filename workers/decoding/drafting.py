@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from workers.decoding.tree import TreeParams, build_tree
+from workers.decoding.params import TreeParams
+from workers.decoding.tree import build_tree
 from workers.models.drafter import DFlashDrafter, DrafterCache
 from workers.models.graph_cache import GraphCache, capture
 from workers.seam import DraftTree, Target

@@ -19,8 +19,6 @@ import torch
 
 from workers.decoding.sampling import make_generator, sample_tokens
 
-STAGES = ("draft", "tree", "verify", "commit")
-
 
 @dataclass(frozen=True)
 class GenerationConfig:

@@ -1,26 +1,25 @@
 """The registry of decoding methods: each method's engine, its parameters and its rules, in one place.
 
-A method is one module (``ar``, ``dflash``, ``ddtree``) with the same names: ``generate`` (the
-engine), ``round_shape`` (what one round of a setting runs: its verify width, whether it drafts,
-its tree), ``replay_lengths`` (its rounds replayed from one AR run) and ``replay_plan`` (what the
-replay tables must keep for a set of settings). ``METHODS[method]`` binds a module to its parameter
-type; the sweep config, the bench CLI, the Worker, the cost model, the predictor and the report ask
-the entry, so no code outside ``workers.decoding`` compares method names.
+A method is a parameter type (``workers.decoding.params``: its knobs, what one round of a setting
+runs, what the acceptance replay must keep) and an engine module (``ar``, ``dflash``, ``ddtree``:
+``generate`` and ``replay_lengths``, its rounds replayed from one AR run). ``METHODS[method]`` binds
+the two; the sweep config, the bench CLI, the Worker, the cost model, the predictor and the report
+ask the entry, so no code outside ``workers.decoding`` compares method names.
+
+The engine module is imported when first asked for: this registry, and so the sweep's config and
+driver, load without torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import importlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from types import ModuleType
 from typing import Any
 
-from workers.decoding import ar, ddtree, dflash
-from workers.decoding.dflash import DFlashParams
-from workers.decoding.knobs import ARParams, Knob, MethodParams, RoundShape
-from workers.decoding.replay import ReplayPlan, ReplayTable
-from workers.decoding.tree import TreeParams
+from workers.decoding.params import ARParams, DFlashParams, Knob, MethodParams, ReplayPlan, RoundShape, TreeParams
 
 
 class Method(str, Enum):
@@ -32,9 +31,13 @@ class Method(str, Enum):
 @dataclass(frozen=True)
 class MethodEntry:
     method: Method
-    module: ModuleType  # generate, round_shape, replay_lengths, replay_plan
     params: type[MethodParams]
+    engine: str  # the engine module: generate(...) and replay_lengths(...)
     needs_drafter: bool
+
+    @property
+    def module(self) -> ModuleType:
+        return importlib.import_module(self.engine)
 
     @property
     def generate(self) -> Callable:
@@ -48,32 +51,40 @@ class MethodEntry:
         return params.resolved(block_size) if block_size is not None else params
 
     def round_shape(self, params: MethodParams, block_size: int) -> RoundShape:
-        return self.module.round_shape(params, block_size)
+        return params.round_shape(block_size)
 
     def verify_width(self, params: MethodParams, block_size: int) -> int:
         """Positions one verify pass of this setting holds, the root included."""
-        return self.round_shape(params, block_size).verify_width
+        return params.round_shape(block_size).verify_width
 
-    def replay_lengths(self, table: ReplayTable, params: MethodParams, block_size: int,
-                       ceiling: int | None = None) -> list[int]:
+    def replay_plan(self, settings: Sequence[MethodParams], block_size: int) -> ReplayPlan:
+        return self.params.replay_plan(settings, block_size)
+
+    def replay_lengths(self, table, params: MethodParams, block_size: int, ceiling: int | None = None) -> list[int]:
         """Per-round acceptance lengths (bonus included) this setting's engine reports on the prompt
-        of ``table`` (greedy: exactly; sampled: in distribution)."""
+        of ``table`` (a ``replay.ReplayTable``; greedy: exactly, sampled: in distribution)."""
         return self.module.replay_lengths(table, params, block_size, ceiling)
-
-    def replay_plan(self, settings: list[MethodParams], block_size: int) -> ReplayPlan:
-        return self.module.replay_plan(settings, block_size)
 
 
 METHODS: dict[Method, MethodEntry] = {
-    Method.AR: MethodEntry(Method.AR, ar, ARParams, needs_drafter=False),
-    Method.DFLASH: MethodEntry(Method.DFLASH, dflash, DFlashParams, needs_drafter=True),
-    Method.DDTREE: MethodEntry(Method.DDTREE, ddtree, TreeParams, needs_drafter=True),
+    Method.AR: MethodEntry(Method.AR, ARParams, "workers.decoding.ar", needs_drafter=False),
+    Method.DFLASH: MethodEntry(Method.DFLASH, DFlashParams, "workers.decoding.dflash", needs_drafter=True),
+    Method.DDTREE: MethodEntry(Method.DDTREE, TreeParams, "workers.decoding.ddtree", needs_drafter=True),
 }
 
 
 def entry(method: Method | str) -> MethodEntry:
     """The entry of a method given by its enum or its name ('ddtree')."""
     return METHODS[Method(method)]
+
+
+def entry_of(params: MethodParams) -> MethodEntry:
+    """The entry whose parameter type ``params`` is (a parameter object names its method)."""
+    return entry(params.METHOD)
+
+
+def method_of(params: MethodParams) -> Method:
+    return entry_of(params).method
 
 
 def all_knobs() -> list[Knob]:
@@ -83,15 +94,3 @@ def all_knobs() -> list[Knob]:
         for knob in method_entry.params.KNOBS:
             seen.setdefault(knob.name, knob)
     return list(seen.values())
-
-
-def entry_of(params: MethodParams) -> MethodEntry:
-    """The entry whose parameter type ``params`` is (a parameter object names its method)."""
-    for method_entry in METHODS.values():
-        if type(params) is method_entry.params:
-            return method_entry
-    raise TypeError(f"{type(params).__name__} is not a registered method's parameters")
-
-
-def method_of(params: MethodParams) -> Method:
-    return entry_of(params).method

@@ -25,22 +25,9 @@ from dataclasses import dataclass, field
 import torch
 
 from workers.decoding.generation import GenerationConfig
+from workers.decoding.params import TreeParams
 from workers.decoding.sampling import make_generator, sample_tokens
-from workers.decoding.tree import TreeParams, accepted_nodes, build_tree
-
-
-@dataclass(frozen=True)
-class ReplayPlan:
-    """What the replay tables must hold for a set of settings: ``top_k`` entries per depth (the widest
-    tree any setting builds) and, for trees, the ``ceiling`` budget whose trees every smaller budget
-    shares (None: no trees)."""
-
-    top_k: int = 1
-    ceiling: int | None = None
-
-    def merge(self, other: ReplayPlan) -> ReplayPlan:
-        ceilings = [c for c in (self.ceiling, other.ceiling) if c is not None]
-        return ReplayPlan(max(self.top_k, other.top_k), max(ceilings) if ceilings else None)
+from workers.decoding.tree import accepted_nodes, build_tree
 
 
 @dataclass

@@ -17,59 +17,12 @@ parent, then to the better-ranked token, so the tree is deterministic.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
-from workers.decoding.knobs import Knob, MethodParams
+from workers.decoding.params import TreeParams
 from workers.models.deltanet import triton_available
 from workers.seam import DraftTree
-
-
-@dataclass(frozen=True)
-class TreeParams(MethodParams):
-    """DDTree's parameters: the tree knobs a sweep tunes.
-
-    budget:    drafted nodes besides the root (>= 1).
-    max_depth: deepest level drafted (1..block_size-1); None = every drafter position.
-    branching: most children per node, i.e. top-K per depth; None = unlimited (K = min(budget, V)).
-    """
-
-    KNOBS: ClassVar[tuple[Knob, ...]] = (
-        Knob("tree_budget", "DDTree nodes besides the root", field="budget", required=True),
-        Knob("max_depth", "DDTree depth cap (default block_size-1)", below_block=True),
-        Knob("branching", "DDTree children per node, i.e. top-K per depth (default unlimited)"),
-    )
-
-    budget: int
-    max_depth: int | None = None
-    branching: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.budget < 1:
-            raise ValueError(f"tree budget must be >= 1, got {self.budget}")
-        if self.max_depth is not None and self.max_depth < 1:
-            raise ValueError(f"max_depth must be >= 1, got {self.max_depth}")
-        if self.branching is not None and self.branching < 1:
-            raise ValueError(f"branching must be >= 1, got {self.branching}")
-
-
-def tree_size(params: TreeParams, depth_limit: int, vocab_size: int | None = None) -> int:
-    """Nodes besides the root of the tree ``build_tree`` makes from ``depth_limit`` rows of a
-    ``vocab_size`` vocabulary (None: larger than any top-K): the budget, unless depth and branching
-    cap it lower (each depth keeps at most ``budget`` prefixes, each with at most top-K children;
-    depth 4 and branching 2 hold 2 + 4 + 8 + 16 = 30 nodes whatever the budget)."""
-    top_k = params.budget if params.branching is None else min(params.budget, params.branching)
-    if vocab_size is not None:
-        top_k = min(top_k, vocab_size)
-    total, level = 0, 1
-    for _ in range(depth_limit):
-        level = min(params.budget, level * top_k)
-        total += level
-        if total >= params.budget:
-            return params.budget
-    return total
 
 
 def build_tree(draft_log_probs: torch.Tensor, params: TreeParams, kernels: bool | None = None) -> DraftTree:

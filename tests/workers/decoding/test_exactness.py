@@ -19,9 +19,8 @@ import pytest
 import torch
 
 from workers.decoding import ar, ddtree, dflash, replay
-from workers.decoding.dflash import DFlashParams
 from workers.decoding.generation import GenerationConfig, GenerationOutput, StageTimer
-from workers.decoding.tree import TreeParams
+from workers.decoding.params import DFlashParams, TreeParams
 from workers.models.reference import AttentionTarget
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

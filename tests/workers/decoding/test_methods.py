@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.decoding.dflash import DFlashParams
-from workers.decoding.knobs import ARParams
 from workers.decoding.methods import METHODS, Method, entry, entry_of
-from workers.decoding.tree import TreeParams, build_tree, tree_size
+from workers.decoding.params import ARParams, DFlashParams, TreeParams, tree_size
+from workers.decoding.tree import build_tree
 
 ROOT = Path(__file__).resolve().parents[3]
 NAMES = {method.value for method in Method}

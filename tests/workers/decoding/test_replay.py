@@ -21,9 +21,8 @@ from tests.workers.decoding.test_exactness import (
     prompts,
 )
 from workers.decoding import ddtree, dflash, replay
-from workers.decoding.dflash import DFlashParams
 from workers.decoding.generation import GenerationConfig
-from workers.decoding.tree import TreeParams
+from workers.decoding.params import DFlashParams, TreeParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

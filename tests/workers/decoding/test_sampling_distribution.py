@@ -20,9 +20,8 @@ import torch
 from scipy.stats import chisquare
 
 from workers.decoding import ar, ddtree, dflash
-from workers.decoding.dflash import DFlashParams
 from workers.decoding.generation import GenerationConfig
-from workers.decoding.tree import TreeParams
+from workers.decoding.params import DFlashParams, TreeParams
 from workers.seam import VerifyOutput
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from workers.decoding.tree import DraftTree, TreeParams, ancestor_matrix, build_tree, follow_tree
+from workers.decoding.params import TreeParams
+from workers.decoding.tree import DraftTree, ancestor_matrix, build_tree, follow_tree
 
 # --- helpers ------------------------------------------------------------------------------------------
 

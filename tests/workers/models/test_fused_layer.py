@@ -13,7 +13,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from workers.decoding.tree import TreeParams, build_tree
+from workers.decoding.params import TreeParams
+from workers.decoding.tree import build_tree
 from workers.models import attention
 from workers.models.attention import attend_folded, grouped_attention
 from workers.models.fused_layer import FusedLayer, fused_layer_for

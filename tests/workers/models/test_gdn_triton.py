@@ -126,7 +126,8 @@ def test_prologue_kernel_equals_the_torch_conv_norms_and_gates(dtype):
 
 @torch.inference_mode()
 def test_hybrid_on_cuda_through_the_kernel_gives_the_cpu_tree_logits():
-    from workers.decoding.tree import TreeParams, build_tree
+    from workers.decoding.params import TreeParams
+    from workers.decoding.tree import build_tree
     from workers.models.shapes import build_random_target
     from workers.models.static_target import StaticTarget
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from workers.decoding import ar, ddtree, dflash
-from workers.decoding.dflash import DFlashParams
 from workers.decoding.drafting import DraftGraphStore
 from workers.decoding.generation import GenerationConfig
-from workers.decoding.tree import TreeParams, build_tree
+from workers.decoding.params import DFlashParams, TreeParams
+from workers.decoding.tree import build_tree
 from workers.models.static_target import StaticTarget
 
 pytestmark = [

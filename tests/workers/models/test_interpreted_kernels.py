@@ -168,7 +168,8 @@ def test_the_tree_build_kernels_equal_the_torch_build():
     logits) and random budgets, depth caps and branching."""
     import numpy as np
 
-    from workers.decoding.tree import TreeParams, build_tree
+    from workers.decoding.params import TreeParams
+    from workers.decoding.tree import build_tree
 
     rng = np.random.default_rng(0)
     cases = []

@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from workers.decoding.tree import TreeParams, build_tree
+from workers.decoding.params import TreeParams
+from workers.decoding.tree import build_tree
 from workers.errors import UnsupportedModelError
 from workers.models.reference import AttentionTarget
 from workers.seam import check_supported

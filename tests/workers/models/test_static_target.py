@@ -15,7 +15,8 @@ import torch
 
 from workers.decoding import ar, ddtree
 from workers.decoding.generation import GenerationConfig
-from workers.decoding.tree import TreeParams, build_tree
+from workers.decoding.params import TreeParams
+from workers.decoding.tree import build_tree
 from workers.models.deltanet import full_state_bytes, tree_state_bytes
 from workers.models.static_target import StaticTarget
 
@@ -171,7 +172,8 @@ def test_tree_state_bytes_are_per_node_vectors_not_states(tiny_next):
 
 def test_worker_trial_on_a_hybrid_target_reports_tree_state_bytes(tiny_hybrid):
     from workers.prompts import Prompt
-    from workers.worker import TrialSpec, Worker, WorkerConfig
+    from workers.wire import TrialSpec, WorkerConfig
+    from workers.worker import Worker
 
     worker = Worker(WorkerConfig(target=str(tiny_hybrid.target_dir), drafter=str(tiny_hybrid.drafter_dir),
                                  device="cpu", dtype="float32", local_files_only=True)).load()

@@ -18,9 +18,8 @@ import pytest
 import torch
 
 from workers.decoding import ar, ddtree, dflash
-from workers.decoding.dflash import DFlashParams
 from workers.decoding.generation import GenerationConfig
-from workers.decoding.tree import TreeParams
+from workers.decoding.params import DFlashParams, TreeParams
 from workers.errors import BadInputError
 from workers.local_group import run_local_group
 from workers.models.loading import Placement, load_drafter, load_target
@@ -98,7 +97,8 @@ def _worker_trials(tp: TPGroup, target_dir: str, drafter_dir: str) -> dict:
     """A DDTree trial, then one that rank 0 stops after its first prompt."""
     from workers.errors import TrialStopped
     from workers.prompts import Prompt
-    from workers.worker import TrialSpec, Worker, WorkerConfig
+    from workers.wire import TrialSpec, WorkerConfig
+    from workers.worker import Worker
 
     config = WorkerConfig(target=target_dir, drafter=drafter_dir, dtype="float32", device="cpu",
                           chat_template=False, tensor_parallel=tp.world)
