@@ -15,7 +15,6 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from workers.decoding import ar, ddtree, dflash
-from workers.decoding.drafting import DraftGraphStore
 from workers.decoding.generation import GenerationConfig, StageTimer, device_sync
 from workers.decoding.params import DFlashParams, TreeParams
 from workers.memory import MemoryTracer
@@ -63,13 +62,11 @@ def main() -> None:
     baseline = None
     print(f"{'setting':>14} {'tok/s':>8} {'tau':>5} {'ms/round':>9} {'draft':>6} {'tree':>6} {'verify':>7} "
           f"{'commit':>7} {'match':>6} {'peak GiB':>9}")
-    store = DraftGraphStore()  # the drafter's graphs, as the Worker keeps them
     for name, generate, draft, params in runs:
-        graphs = store if draft is not None else None
-        generate(target, draft, prompt, GenerationConfig(16), params, draft_graphs=graphs)  # warm-up
+        generate(target, draft, prompt, GenerationConfig(16), params)  # warm-up
         with MemoryTracer(interval_ms=20) as tracer:
-            untimed = generate(target, draft, prompt, config, params, draft_graphs=graphs)
-        timed = generate(target, draft, prompt, config, params, StageTimer(device_sync(device)), draft_graphs=graphs)
+            untimed = generate(target, draft, prompt, config, params)
+        timed = generate(target, draft, prompt, config, params, StageTimer(device_sync(device)))
         baseline = baseline or [untimed]
         m = summarize([untimed], baseline)
         ms_round = 1000 * untimed.decode_s / untimed.num_rounds

@@ -25,7 +25,7 @@ from gpu_speed import median_ms  # a sibling script: benchmarks/ is on sys.path
 from torch.profiler import ProfilerActivity, profile
 
 from workers.decoding import ddtree
-from workers.decoding.drafting import DraftGraphStore, EagerDrafting
+from workers.decoding.drafting import EagerDrafting, open_drafting
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import TreeParams
 from workers.models.shapes import build_random_drafter, build_random_target
@@ -159,8 +159,7 @@ def main() -> int:
     eager.draft(bonus, opening.taps, 15)
     eager_ms = median_ms(lambda: (eager.draft(bonus, opening.taps[:, -4:], 15),
                                   setattr(eager.cache, "length", eager.cache.length - 4)))
-    store = DraftGraphStore()
-    graphs = store.open(drafter, target, args.context + 600)
+    graphs = open_drafting(drafter, target, args.context + 600)
     graphs.draft(bonus, opening.taps, 15)
     graph_ms = median_ms(lambda: (graphs.draft(bonus, opening.taps[:, -4:], 15),
                                   setattr(graphs.cache, "length", graphs.cache.length - 4)))
@@ -178,7 +177,7 @@ def main() -> int:
     config = GenerationConfig(max_new_tokens=96)
     for budget in (16, 64, 256):
         params = TreeParams(budget)
-        run = lambda p=params: ddtree.generate(target, drafter, prompt, config, p, draft_graphs=store)  # noqa: E731
+        run = lambda p=params: ddtree.generate(target, drafter, prompt, config, p, )  # noqa: E731
         run()
         begin = time.perf_counter()
         out = run()

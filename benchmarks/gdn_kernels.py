@@ -17,9 +17,10 @@ import torch
 from forward_anatomy import graphed
 from gpu_speed import median_ms
 
-from workers.models.deltanet import ancestor_table, tree_blocks, tree_delta_rule_normalized
+from workers.models.deltanet import ancestor_table, tree_delta_rule_normalized
 from workers.models.gdn_triton import tree_outputs
 from workers.models.shapes import TARGETS
+from workers.models.tree_blocks import tree_blocks
 
 
 def random_parents(q: int, depth: int) -> torch.Tensor:

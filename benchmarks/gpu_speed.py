@@ -27,7 +27,7 @@ import time
 import torch
 
 from workers.decoding import ar, ddtree, dflash
-from workers.decoding.drafting import DraftGraphStore, EagerDrafting
+from workers.decoding.drafting import EagerDrafting, open_drafting
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import DFlashParams, TreeParams
 from workers.decoding.tree import build_tree, follow_tree
@@ -230,8 +230,7 @@ def main() -> int:
     bonus = prompt[0, -1:].clone()
     context = opening.taps
     draft_ms = median_ms(lambda: eager_drafting.draft(bonus, context[:, -1:], 15), args.reps)
-    store = DraftGraphStore()  # the drafter's graphs, kept for the rounds below as the Worker keeps them
-    graphs = store.open(drafter, graphed, args.context + 600)
+    graphs = open_drafting(drafter, graphed, args.context + 600)  # kept with the target for the rounds below
     graphs.draft(bonus, context, 15)  # the prompt's context, eagerly
     graph_ms = median_ms(lambda: graphs.draft(bonus, context[:, -1:], 15), args.reps)
     lines.append(f"drafter forward (block {drafter.block_size}) + lm_head on 15 rows: {draft_ms:.2f} ms eager, "
@@ -267,7 +266,6 @@ def main() -> int:
     # --- whole rounds, and graph == eager -------------------------------------------------------------
     lines.append(f"{'method':>18} {'eager ms/round':>15} {'graph ms/round':>15} {'split ms/round':>15} "
                  f"{'same tokens':>12}")
-    split_store = DraftGraphStore()  # the split target's own drafter graphs
     config = GenerationConfig(max_new_tokens=args.new_tokens)
     cases = [("ar", ar.generate, None), ("dflash", dflash.generate, DFlashParams())]
     cases += [(f"ddtree B={b}", ddtree.generate, TreeParams(b)) for b in BUDGETS]
@@ -276,10 +274,9 @@ def main() -> int:
         for runner in (eager, graphed, split):
             if runner is None:
                 continue
-            draft = {"draft_graphs": split_store if runner is split else store} if params else {}
             # warm-up
-            engine(runner, drafter if params else None, prompt, GenerationConfig(max_new_tokens=8), params, **draft)
-            out = engine(runner, drafter if params else None, prompt, config, params, **draft)
+            engine(runner, drafter if params else None, prompt, GenerationConfig(max_new_tokens=8), params)
+            out = engine(runner, drafter if params else None, prompt, config, params)
             results.append(out)
         per_round = [o.decode_s / max(o.num_rounds, 1) * 1e3 for o in results]
         same = all(r.token_ids == results[0].token_ids for r in results)

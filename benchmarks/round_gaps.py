@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from workers.decoding.drafting import DraftGraphStore
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.methods import entry
 from workers.models.shapes import build_random_drafter, build_random_target
@@ -81,7 +80,6 @@ def main() -> int:
     target = StaticTarget(model, drafter.spec.target_layer_ids, graphs=True)
     prompt = torch.randint(1, model.config.vocab_size - 1, (1, 64), device="cuda")
     config = GenerationConfig(max_new_tokens=96)
-    store = DraftGraphStore()  # the drafter's graphs, as the Worker keeps them
     method = entry(args.method)
     knobs = method.params.knob_names()
     budgets = (args.budget or [16, 64, 256]) if "tree_budget" in knobs else [None]
@@ -92,7 +90,7 @@ def main() -> int:
              "idle by stage (ms/round)"]
     for name, engine, params in cases:
         run = lambda e=engine, p=params, t=None: e(target, drafter if p else None, prompt, config, p,  # noqa: E731
-                                                   **({"timer": t} if t else {}), draft_graphs=store if p else None)
+                                                   **({"timer": t} if t else {}))
         run()  # captures every graph this case needs
         begin = time.perf_counter()
         out = run()

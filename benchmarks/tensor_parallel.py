@@ -42,9 +42,8 @@ def measure(tp, args: argparse.Namespace) -> dict:
     generation = GenerationConfig(max_new_tokens=args.new_tokens)
 
     def per_round_ms(engine, drafter, params) -> tuple[float, list[int]]:
-        extra = {"draft_graphs": worker.draft_graphs} if drafter is not None else {}
-        engine(worker.target, drafter, prompt, GenerationConfig(max_new_tokens=8), params, **extra)  # warm-up
-        runs = [engine(worker.target, drafter, prompt, generation, params, **extra) for _ in range(args.reps)]
+        engine(worker.target, drafter, prompt, GenerationConfig(max_new_tokens=8), params)  # warm-up
+        runs = [engine(worker.target, drafter, prompt, generation, params) for _ in range(args.reps)]
         return statistics.median(r.decode_s / max(r.num_rounds, 1) * 1e3 for r in runs), runs[0].token_ids
 
     rows = {}

@@ -17,6 +17,7 @@ import platform
 import queue
 import threading
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import ray
@@ -170,13 +171,24 @@ def actor_options(config: SweepConfig) -> dict[str, Any]:
     }
 
 
+class SlotState(StrEnum):
+    """What an actor is doing (the progress line shows the value)."""
+
+    LOADING = "loading"  # models loading
+    IDLE = "idle"
+    RUNNING = "running"  # a search trial
+    REMEASURING = "re-measuring"  # the final re-measurement
+    RESTARTING = "restarting"  # Ray restarts it after its process died (models reload)
+    STOPPED = "stopped"  # the sweep stopped while it ran a trial
+
+
 @dataclass
 class Slot:
     """One actor and what it is doing, for the driver loop and the progress display."""
 
     index: int
     handle: Any
-    state: str = "loading"
+    state: SlotState = SlotState.LOADING
     trial_number: int | None = None
     info: dict[str, Any] = field(default_factory=dict)
     placement_group: PlacementGroup | None = None  # a tensor-parallel worker's (removed with the worker)
@@ -270,7 +282,7 @@ def start_pool(config: SweepConfig, checkpoint=None) -> list[Slot]:
         _kill_all(slots)
         raise
     for slot, info in zip(slots, infos, strict=True):
-        slot.info, slot.state = info, "idle"
+        slot.info, slot.state = info, SlotState.IDLE
     errors = {info["load_error"] for info in infos if info["load_error"]}
     if errors:
         _kill_all(slots)
@@ -299,4 +311,4 @@ def replace_actor(config: SweepConfig, slot: Slot) -> None:
     slot.info = ray.get(slot.handle.info.remote())
     if slot.info["load_error"]:
         raise BadInputError(slot.info["load_error"])
-    slot.state = "idle"
+    slot.state = SlotState.IDLE

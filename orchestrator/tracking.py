@@ -327,6 +327,20 @@ class Tracker:
         return run_id
 
     @_store_call
+    def remeasured(self, uid: str, round_id: int) -> dict[int, dict[str, float]]:
+        """Trial number -> metrics of one round of the final re-measurement of study ``uid``."""
+        runs = self.client.search_runs(
+            [self.experiment_id],
+            f"tags.{UID_TAG} = '{uid}' and tags.{ROLE_TAG} = 'remeasure' and tags.{ROUND_TAG} = '{round_id}'",
+            max_results=1000,
+        )
+        return {int(r.data.tags[TRIAL_TAG]): dict(r.data.metrics) for r in runs}
+
+    @_store_call
+    def parent_tags(self, run_id: str) -> dict[str, str]:
+        return dict(self.client.get_run(run_id).data.tags)
+
+    @_store_call
     def children(self, uid: str, status: str | None = None) -> list:
         query = f"tags.{UID_TAG} = '{uid}' and tags.{ROLE_TAG} = 'trial'"
         if status:

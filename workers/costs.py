@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from workers.decoding.drafting import DraftGraphStore, open_drafting
+from workers.decoding.drafting import open_drafting
 from workers.decoding.generation import GenerationConfig, device_sync
 from workers.decoding.methods import entry_of
 from workers.decoding.params import MethodParams, RoundShape, TreeParams
@@ -185,7 +185,7 @@ def _tree_call(drafting, logits: torch.Tensor, params: TreeParams):
 @torch.inference_mode()
 def measure_costs(target, drafter, settings: list[MethodParams], context_length: int,
                   calibration_prompt: torch.Tensor | None = None, calibration: GenerationConfig | None = None,
-                  repeats: int = 5, draft_graphs: DraftGraphStore | None = None) -> CostTable:
+                  repeats: int = 5) -> CostTable:
     """Time every piece the rounds of ``settings`` (parameter objects, of one method or several) use
     on this target and drafter (see the module docstring).
 
@@ -234,8 +234,8 @@ def measure_costs(target, drafter, settings: list[MethodParams], context_length:
     draft_s: dict[int, float] = {}
     tree_s: dict[str, dict[int, dict[int, float]]] = {}
     if drafter is not None and any(shape.drafts for shape in shapes):
-        # the drafting the engines get (graph replays when the Worker's store is given and the target replays)
-        drafting = open_drafting(drafter, target, context_length + (repeats + 2) * 2 * block + 2 * block, draft_graphs)
+        # the drafting the engines get (graph replays when the target replays its own)
+        drafting = open_drafting(drafter, target, context_length + (repeats + 2) * 2 * block + 2 * block)
         drafting.draft(root, prefill.taps, block - 1)  # the prompt, once, as an engine does
         taps = prefill.taps[:, -block:]
         for new in sorted({1, block}):
@@ -259,12 +259,11 @@ def measure_costs(target, drafter, settings: list[MethodParams], context_length:
         for method in {shape.method: None for shape in shapes if shape.drafts}:  # in order of appearance
             ours = [params for params, shape in zip(settings, shapes, strict=True) if shape.method == method]
             costs.overhead_s[method] = _calibrate(target, drafter, ours[len(ours) // 2], costs, calibration_prompt,
-                                                  calibration, draft_graphs)
+                                                  calibration)
     return costs
 
 
-def _calibrate(target, drafter, params: MethodParams, costs: CostTable, prompt, config: GenerationConfig,
-               draft_graphs: DraftGraphStore | None = None) -> float:
+def _calibrate(target, drafter, params: MethodParams, costs: CostTable, prompt, config: GenerationConfig) -> float:
     """Per-round time a real run of ``params`` spends beyond the timed pieces: (decode_s - sum of
     pieces) / rounds, from its own (known) rounds; the faster of two runs after a warm-up. Never
     below half the pieces' negative (a noisy piece must not make rounds free)."""
@@ -272,8 +271,8 @@ def _calibrate(target, drafter, params: MethodParams, costs: CostTable, prompt, 
     entry = entry_of(params)
     shape = entry.round_shape(params, block)
     warm = GenerationConfig(min(16, config.max_new_tokens), config.temperature)
-    entry.generate(target, drafter, prompt, warm, params, draft_graphs=draft_graphs)
-    runs = [entry.generate(target, drafter, prompt, config, params, draft_graphs=draft_graphs) for _ in range(2)]
+    entry.generate(target, drafter, prompt, warm, params)
+    runs = [entry.generate(target, drafter, prompt, config, params) for _ in range(2)]
     out = min(runs, key=lambda run: run.decode_s / max(run.num_rounds, 1))
     if not out.acceptance_lengths:
         return 0.0

@@ -70,6 +70,9 @@ class Target(Protocol):
     model: torch.nn.Module
     device: torch.device
     graphs: bool  # verify passes replay CUDA graphs (then the drafter may replay its own)
+    # the drafter's CUDA graphs, kept with the target's for as long as the target lives (filled and read
+    # by ``workers.decoding.drafting``; None until a drafter first replays on this target)
+    drafter_graphs: object | None
 
     def start(self, capacity: int, max_verify: int) -> None: ...
     def prefill(self, input_ids: torch.Tensor) -> VerifyOutput: ...

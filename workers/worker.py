@@ -26,7 +26,6 @@ import torch
 
 from workers import costs as cost_model
 from workers.decoding import replay
-from workers.decoding.drafting import DraftGraphStore
 from workers.decoding.generation import (
     NULL_TIMER,
     GenerationConfig,
@@ -67,7 +66,6 @@ class Worker:
         self.model = None
         self.drafter: DFlashDrafter | None = None
         self.target = None  # a StaticTarget (workers.models.static_target.make_target)
-        self.draft_graphs: DraftGraphStore | None = None  # the drafter's CUDA graphs, kept across trials
         self.tokenizer = None
         self._baselines: dict[str, list[GenerationOutput]] = {}
         self._state_bytes: int | None = None  # peak tree_state_bytes of the last _generate_all (hybrids)
@@ -97,7 +95,6 @@ class Worker:
         tap_device = self.drafter.fc.weight.device if self.drafter else None
         self.target = make_target(self.model, taps, tap_device, graphs=None if cfg.cuda_graphs else False,
                                   compile_layers=cfg.compile_layers, tp=self.tp)
-        self.draft_graphs = DraftGraphStore() if self.drafter is not None and self.target.graphs else None
         return self
 
     def _load_shard(self, tp: TPGroup):
@@ -208,16 +205,14 @@ class Worker:
         takes rank 0's stop decision after each prompt."""
         entry = METHODS[spec.method]
         drafter = self.drafter if entry.needs_drafter else None
-        graphs = self.draft_graphs if entry.needs_drafter else None
         if spec.warmup:  # one short untimed run so lazy init and allocator growth stay out of the numbers
             warm = GenerationConfig(min(WARMUP_TOKENS, gen.max_new_tokens), gen.temperature, (), gen.seed)
-            entry.generate(self.target, drafter, prompts[0], warm, spec.params, draft_graphs=graphs)
+            entry.generate(self.target, drafter, prompts[0], warm, spec.params)
         outputs, state_bytes = [], 0
 
         def measure(prompt_ids: torch.Tensor, prompt_gen: GenerationConfig) -> GenerationOutput:
             timer = StageTimer(device_sync(self.target.device)) if spec.stage_timing else NULL_TIMER  # one per run
-            return entry.generate(self.target, drafter, prompt_ids, prompt_gen, spec.params, timer=timer,
-                                  draft_graphs=graphs)
+            return entry.generate(self.target, drafter, prompt_ids, prompt_gen, spec.params, timer=timer)
 
         for index, prompt_ids in enumerate(prompts):
             prompt_gen = GenerationConfig(gen.max_new_tokens, gen.temperature, gen.stop_token_ids, gen.seed + index)
@@ -274,6 +269,6 @@ class Worker:
         mean_prompt = sum(p.shape[1] for p in prompts) // len(prompts)
         table = cost_model.measure_costs(
             self.target, self.drafter, settings, mean_prompt + gen.max_new_tokens // 2,
-            calibration_prompt=prompts[0], calibration=gen, draft_graphs=self.draft_graphs,
+            calibration_prompt=prompts[0], calibration=gen,
         )
         return table.to_dict()

@@ -178,28 +178,26 @@ def test_bad_strategy_settings_name_the_field(tiny_dir, tmp_path, overrides, mes
 def test_a_crash_after_the_pruned_run_was_logged_recovers_as_pruned(tiny_dir, tmp_path):
     """Driver killed between marking the MLflow run pruned and telling Optuna: resume tells PRUNED."""
     from orchestrator import study as studies
-    from orchestrator.driver import Driver
+    from orchestrator.recovery import recover_stale
     from orchestrator.tracking import Tracker
     from workers.decoding.methods import Method
     from workers.wire import TrialResult, TrialStatus
 
     sweep = write_sweep(tmp_path / "sweep.yaml", sweep_dict(tiny_dir, tmp_path / "runs", pruner={"type": "median"}))
     config = load_sweep(sweep)
-    driver = Driver(config, sweep)
     storage = studies.make_storage(config.storage)
-    driver.study = studies.open_study(config, storage).study
-    driver.study_name = driver.study.study_name
-    driver.tracker = Tracker(config.mlflow.tracking_uri, config.mlflow.experiment)
-    uid = studies.study_uid(driver.study)
-    driver.parent_id = driver.tracker.parent_run(driver.study_name, uid, config.storage, driver.study._study_id,
-                                                 config.fingerprint(), sweep, {})
-    trial = driver.study.ask()
+    study = studies.open_study(config, storage).study
+    tracker = Tracker(config.mlflow.tracking_uri, config.mlflow.experiment)
+    uid = studies.study_uid(study)
+    parent_id = tracker.parent_run(study.study_name, uid, config.storage, study._study_id, config.fingerprint(),
+                                   sweep, {})
+    trial = study.ask()
     params = studies.suggest(trial, config)
     trial.report(1.5, 1)
-    run_id = driver.tracker.start_child(driver.parent_id, driver.study_name, uid, trial.number, params, 1)
+    run_id = tracker.start_child(parent_id, study.study_name, uid, trial.number, params, 1)
     result = TrialResult(TrialStatus.PRUNED, Method.DDTREE, params, metrics={"peak_memory_gib": 0.0})
-    driver.tracker.finish_pruned(run_id, result, 0, prompts_done=1)  # ... and the driver dies here
+    tracker.finish_pruned(run_id, result, 0, prompts_done=1)  # ... and the driver dies here
 
-    driver._recover()
-    assert driver.study.trials[0].state == TrialState.PRUNED
-    assert not driver.study.get_trials(states=(TrialState.WAITING,))  # not queued to run again
+    recover_stale(study, tracker, config, lambda line: None)
+    assert study.trials[0].state == TrialState.PRUNED
+    assert not study.get_trials(states=(TrialState.WAITING,))  # not queued to run again

@@ -23,7 +23,6 @@ def generate(
     config: GenerationConfig,
     params: ARParams | None = None,
     timer: Timer = NULL_TIMER,
-    draft_graphs: None = None,
 ) -> GenerationOutput:
     start = open_generation(target, prompt_ids, config, max_verify=1)
     out, generator, bonus = start.out, start.generator, start.bonus

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.decoding.drafting import DraftGraphStore, open_drafting
+from workers.decoding.drafting import open_drafting
 from workers.decoding.generation import NULL_TIMER, GenerationConfig, GenerationOutput, open_generation
 from workers.decoding.params import TreeParams
 from workers.decoding.replay import ReplayTable, ddtree_lengths
@@ -28,13 +28,12 @@ def generate(
     config: GenerationConfig,
     params: TreeParams,
     timer: Timer = NULL_TIMER,
-    draft_graphs: DraftGraphStore | None = None,
 ) -> GenerationOutput:
     params = params.resolved(drafter.block_size)  # the default depth is block_size-1
     start = open_generation(target, prompt_ids, config, max_verify=params.round_shape(drafter.block_size).verify_width)
     out, generator, bonus = start.out, start.generator, start.bonus
     new_context = start.context  # [1, T, k*H]: features of committed tokens the drafter has not seen
-    drafting = open_drafting(drafter, target, start.capacity, draft_graphs)
+    drafting = open_drafting(drafter, target, start.capacity)
 
     rounds: list[int] = []
     while not out.done:

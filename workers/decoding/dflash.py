@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.decoding.drafting import DraftGraphStore, open_drafting
+from workers.decoding.drafting import open_drafting
 from workers.decoding.generation import NULL_TIMER, GenerationConfig, GenerationOutput, open_generation
 from workers.decoding.params import DFlashParams
 from workers.decoding.replay import ReplayTable, dflash_lengths
@@ -27,13 +27,12 @@ def generate(
     config: GenerationConfig,
     params: DFlashParams = DFlashParams(),
     timer: Timer = NULL_TIMER,
-    draft_graphs: DraftGraphStore | None = None,
 ) -> GenerationOutput:
     num_draft = params.resolved(drafter.block_size).num_draft_tokens
     start = open_generation(target, prompt_ids, config, max_verify=params.round_shape(drafter.block_size).verify_width)
     out, generator, bonus = start.out, start.generator, start.bonus
     new_context = start.context  # [1, T, k*H]: features of committed tokens the drafter has not seen
-    drafting = open_drafting(drafter, target, start.capacity, draft_graphs)
+    drafting = open_drafting(drafter, target, start.capacity)
 
     steps = torch.arange(num_draft + 1, device=bonus.device)  # a commit keeps steps[:accepted+1]
 

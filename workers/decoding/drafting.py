@@ -8,8 +8,8 @@ positions after the bonus through the target's lm_head; DDTree then builds its t
 - ``EagerDrafting``: the pass launched op by op (CPU, targets split over devices, debugging);
 - ``GraphDrafting``: the pass replayed from a CUDA graph per (new-context length, rows), and the
   tree build from a graph per tree knobs. Graphs hold the addresses of its buffers and drafter
-  cache, so one ``GraphDrafting`` is kept for the whole run by a ``DraftGraphStore``, which the
-  Worker owns, and reset per generation.
+  cache, so one ``GraphDrafting`` is kept for as long as the target lives, by a ``DraftGraphStore``
+  in the target's ``drafter_graphs`` (beside the target's own graphs), and reset per generation.
 
 Both have the same calls: ``draft(bonus, new_context, rows) -> logits [rows, V]`` and
 ``build_tree(draft_logits, params) -> DraftTree``.
@@ -121,9 +121,11 @@ class DraftGraphStore:
         return current
 
 
-def open_drafting(drafter: DFlashDrafter, target: Target, capacity: int,
-                  graphs: DraftGraphStore | None = None) -> EagerDrafting | GraphDrafting:
-    """Graph drafting when a store is given and the target replays graphs itself, else eager."""
-    if graphs is not None and target.graphs:
-        return graphs.open(drafter, target, capacity)
-    return EagerDrafting(drafter, target, capacity)
+def open_drafting(drafter: DFlashDrafter, target: Target, capacity: int) -> EagerDrafting | GraphDrafting:
+    """Graph drafting when the target replays graphs itself (the store kept in its ``drafter_graphs``),
+    else eager."""
+    if not target.graphs:
+        return EagerDrafting(drafter, target, capacity)
+    if target.drafter_graphs is None:
+        target.drafter_graphs = DraftGraphStore()
+    return target.drafter_graphs.open(drafter, target, capacity)

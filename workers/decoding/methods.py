@@ -41,7 +41,7 @@ class MethodEntry:
 
     @property
     def generate(self) -> Callable:
-        """generate(target, drafter, prompt_ids, config, params, timer=..., draft_graphs=...)"""
+        """generate(target, drafter, prompt_ids, config, params, timer=...)"""
         return self.module.generate
 
     def params_from(self, setting: Mapping[str, Any], block_size: int | None = None) -> MethodParams:

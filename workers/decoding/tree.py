@@ -21,7 +21,7 @@ import functools
 import torch
 
 from workers.decoding.params import TreeParams
-from workers.models.deltanet import triton_available
+from workers.models.kernels import triton_available
 from workers.seam import DraftTree
 
 

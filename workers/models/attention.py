@@ -21,14 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from workers.models.kernels import ROW_BLOCK, triton_available
+
 NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # above this many folded query rows (query heads per K/V head x queries) one fused SDPA kernel wins
 SMALL_ATTENTION_ROWS = 512
-# ``attention_triton``: query rows per program, and the most splits of the keys (which it makes only
-# while programs are fewer than twice the GPU's multiprocessors; their partial sums are float32
-# [splits, Hkv, R, D], so under 4 x multiprocessors x ROW_BLOCK rows of D)
-ROW_BLOCK = 64
-MAX_KEY_SPLITS = 8
 # given the pass's K/V slots, the Triton kernel from one full block of rows on: it reads the keys up to
 # the pass's last slot where the batched products read the whole buffer (at Qwen3.6-27B's q = 17 and
 # 65 it is the faster: ``benchmarks/attention_kernels.py``, whose "SDPA all" column is those products)
@@ -67,12 +64,11 @@ def attend_folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
     attention), three kernels of a few microseconds; fused SDPA kernels take ~45 (cuDNN) to ~95
     (memory-efficient) microseconds per call for a handful of rows on an H200. Many rows: SDPA.
     """
-    if query.shape[1] >= KERNEL_ROWS and slots is not None and mask is not None and query.is_cuda:
-        try:
-            from workers.models import attention_triton
-        except ImportError:  # no Triton: SDPA below
-            attention_triton = None
-        if attention_triton is not None and attention_triton.supports(query, key):
+    if (query.shape[1] >= KERNEL_ROWS and slots is not None and mask is not None and query.is_cuda
+            and triton_available()):
+        from workers.models import attention_triton
+
+        if attention_triton.supports(query, key):
             out = attention_triton.attend_until(query, key, value, mask, slots, scale)
             if out is not None:  # None: the GPU lacks the shared memory for its tiles
                 return out

@@ -26,10 +26,10 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from workers.models.attention import MAX_KEY_SPLITS, ROW_BLOCK
+from workers.models.kernels import MAX_KEY_SPLITS, ROW_BLOCK
 
 # (keys per step, warps, pipeline stages), tried in this order on each device and head size until one
-# compiles within its shared memory (rows per program: ``attention.ROW_BLOCK``). At D = 256 the first
+# compiles within its shared memory (rows per program: ``kernels.ROW_BLOCK``). At D = 256 the first
 # takes 168 KB a block, which an H200 has; an RTX A6000 (99 KB) takes the second, 72 KB
 # (``benchmarks/kernel_resources.py``; ``benchmarks/attention_kernels.py`` times others).
 TILES = ((64, 8, 2), (32, 8, 2))

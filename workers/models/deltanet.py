@@ -41,8 +41,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from workers.models.kernels import triton_available
+from workers.models.tree_blocks import tree_blocks
+
 MAX_PATH = 16  # nodes on a root-to-node path that a tree pass handles (tree depth <= 15)
-TREE_BLOCK = 16  # nodes per block of the CUDA tree kernel (``tree_blocks``)
 CHUNK = 64  # tokens per chunk of the chunked chain form
 GATHER_BYTES = 256 * 2**20  # cap on the torch tree form's gathered [heads, q, P, dv] float32 rows
 
@@ -66,50 +68,6 @@ def ancestor_table(parents: torch.Tensor, width: int = MAX_PATH) -> torch.Tensor
     if parents.device.type == "cpu" and q and bool((step[table[:, -1]] < q).any()):
         raise ValueError(f"tree deeper than {width - 1}: raise MAX_PATH")
     return table
-
-
-def preorder(ancestors: torch.Tensor) -> torch.Tensor:
-    """[q] the nodes in depth-first preorder (children in index order), from an ``ancestor_table``.
-
-    Preorder is the lexicographic order of root-to-node paths of node ids. The paths are packed into
-    int64 keys, as many ids per key as fit, and sorted key by key from the least significant (stable
-    sorts, so no host read: it runs inside a captured pass).
-    """
-    q, width = ancestors.shape
-    depth = (ancestors < q).sum(1) - 1  # [q]
-    back = depth[:, None] - torch.arange(width, device=ancestors.device)  # column of the depth-j ancestor
-    path = torch.where(back >= 0, ancestors.gather(1, back.clamp(min=0)) + 1, 0)  # [q, width], 0 past the node
-    bits = max(1, q.bit_length())
-    per_key = 63 // bits
-    order = torch.arange(q, device=ancestors.device)
-    for start in reversed(range(0, width, per_key)):
-        columns = path[:, start : start + per_key]
-        shifts = bits * (per_key - 1 - torch.arange(columns.shape[1], device=ancestors.device))
-        key = (columns << shifts).sum(1)
-        order = order[torch.sort(key[order], stable=True).indices]
-    return order
-
-
-def tree_blocks(ancestors: torch.Tensor, block: int = TREE_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CUDA tree kernel's blocks: (slots [n, W + block] long, mask [n, W + block, W + block] bool),
-    W = ancestors.shape[1], n = ceil(q / block).
-
-    Block i holds ``block`` consecutive nodes of the preorder (slots W..) and, before them, the strict
-    ancestors of its first node (slots 0..W-2, parent first; slot W-1 and slots past the root hold the
-    sentinel q). In preorder every ancestor of a node in the block is in the block or an ancestor of its
-    first node, so the slots hold every path the block's nodes need. mask[i, a, b]: slot b is slot a or
-    one of its ancestors (both real nodes).
-    """
-    q, width = ancestors.shape
-    count = -(-q // block)
-    order = preorder(ancestors)
-    members = torch.cat((order, order.new_full((count * block - q,), q))).view(count, block)
-    with_sentinel = torch.cat((ancestors, ancestors.new_full((1, width), q)))  # row q: the sentinel's
-    context = with_sentinel[members[:, 0], 1:]  # [n, W-1]
-    slots = torch.cat((context, members.new_full((count, 1), q), members), dim=1)  # [n, S]
-    paths = with_sentinel[slots]  # [n, S, W]
-    mask = (paths[:, :, None, :] == slots[:, None, :, None]).any(-1) & (slots < q)[:, None, :]
-    return slots, mask
 
 
 @dataclass
@@ -299,14 +257,6 @@ def _path_outputs(q_, k_, rhs, q_S0, G, beta, ancestors) -> torch.Tensor:
 def kernel_fits(dk: int, dv: int) -> bool:
     """The Triton kernel's tiles: powers of two, at least 16 (its Gram product is a tensor-core tile)."""
     return all(n >= 16 and n & (n - 1) == 0 for n in (dk, dv))
-
-
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 # -- the delta rule over a chain (chunked) ----------------------------------------------------------------

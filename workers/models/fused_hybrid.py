@@ -38,6 +38,7 @@ from torch import nn
 
 from workers.models.attention import attend_folded
 from workers.models.fused_layer import PassInputs, add_projection_, fuse_rows
+from workers.models.kernels import triton_available
 
 # transformers' RMSNorm classes computing (1 + weight) * (x * rsqrt(mean(x^2) + eps)) in float32
 ONE_PLUS_NORMS = frozenset({"Qwen3_5RMSNorm", "Qwen3_5TextRMSNorm", "Qwen3NextRMSNorm", "Qwen3_5MoeRMSNorm"})
@@ -47,7 +48,7 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 def one_plus_rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """Qwen3.5's RMSNorm of the rows of x [..., N] with ``norm``'s weight [N] (and eps), in x's dtype."""
-    if x.is_cuda and _kernels_available():
+    if x.is_cuda and triton_available():
         from workers.models.fused_hybrid_triton import one_plus_rms_norm as kernel
 
         return kernel(x, norm.weight, norm.eps)
@@ -55,12 +56,6 @@ def one_plus_rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return (normed * (1.0 + norm.weight.float())).to(x.dtype)
 
 
-def _kernels_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _is_one_plus(norm: nn.Module) -> bool:
@@ -105,7 +100,7 @@ class HybridMLP:
     def dense_mlp(self, residual: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
         """residual += down_proj(silu(gate) * up) of the normed rows [q, H] (a dense MLP), in place."""
         gate_up = F.linear(normed, self.gate_up_weight)  # [q, 2I]
-        if gate_up.is_cuda and _kernels_available():
+        if gate_up.is_cuda and triton_available():
             from workers.models.fused_hybrid_triton import silu_mul
 
             activated = silu_mul(gate_up)
@@ -185,7 +180,7 @@ class GatedAttentionLayer:
         heads = F.linear(one_plus_rms_norm(residual, self.input_norm), self.qkv_weight, self.qkv_bias)
         heads = heads.view(q, 2 * hq + 2 * hkv, d)
         args = (heads, self.attn.q_norm, self.attn.k_norm, inputs, kv, hq, hkv)
-        folded = norm_rotate_heads(*args) if heads.is_cuda and _kernels_available() else norm_rotate_heads_torch(*args)
+        folded = norm_rotate_heads(*args) if heads.is_cuda and triton_available() else norm_rotate_heads_torch(*args)
         out = attend_folded(folded, kv[0, 0, :, :attend], kv[1, 0, :, :attend], inputs.mask, self.scale,
                            slots=inputs.slots)
         add_projection_(residual, output_gate(out.view(hq, q, d), heads, hq), self.o_proj, self.reduce)
@@ -196,7 +191,7 @@ class GatedAttentionLayer:
 def output_gate(out: torch.Tensor, heads: torch.Tensor, query_heads: int) -> torch.Tensor:
     """The attention's output out [Hq, q, D] times the sigmoid of each query head's gate (the odd rows
     of heads [q, 2Hq + 2Hkv, D]) -> [q, Hq*D], as o_proj reads it; one Triton kernel on CUDA."""
-    if out.is_cuda and _kernels_available():
+    if out.is_cuda and triton_available():
         from workers.models.fused_hybrid_triton import output_gate as kernel
 
         return kernel(out, heads, query_heads)

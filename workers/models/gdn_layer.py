@@ -36,10 +36,10 @@ from workers.models.deltanet import (
     kernel_fits,
     tree_conv,
     tree_delta_rule,
-    triton_available,
     window_after,
 )
 from workers.models.fused_layer import add_projection_, fuse_rows
+from workers.models.kernels import triton_available
 
 
 class GDNLayer:

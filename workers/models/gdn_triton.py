@@ -9,7 +9,7 @@ roundings to the model dtype, so they agree with it to rounding.
 
 ``tree_outputs``: the per-node path solve of ``workers.models.deltanet.tree_delta_rule_normalized``
 in blocks, one program per (block, value head): a block is 16 nodes consecutive in depth-first order
-plus the ancestors of its first node (``deltanet.tree_blocks``), which hold every path its nodes
+plus the ancestors of its first node (``tree_blocks.tree_blocks``), which hold every path its nodes
 need. On those 32 slots the program forms the keys' Gram matrix, the path sums of the log decay, L
 (the paths' systems: each slot's row on its strict ancestors) and the nodes' query weights e, then
 w = e (I + L)^-1 by the nilpotent product (I - L)(I + L^2)(I + L^4)(I + L^8), the slots' k_ S0 and
@@ -25,6 +25,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from workers.models.tree_blocks import TREE_BLOCK, tree_blocks
 
 TREE_WARPS = 4
 PRODUCT_STEP = 32  # the tree kernel's step along dk in its products with the committed state
@@ -109,7 +111,7 @@ def tree_outputs(
     beta: torch.Tensor,  # [q, H]
     state: torch.Tensor,  # [H, dk, dv] float32 committed recurrent state
     ancestors: torch.Tensor,  # [q, P] (P = MAX_PATH)
-    blocks: tuple[torch.Tensor, torch.Tensor] | None = None,  # ``deltanet.tree_blocks(ancestors)`` if made already
+    blocks: tuple[torch.Tensor, torch.Tensor] | None = None,  # ``tree_blocks.tree_blocks(ancestors)`` if made already
     model_dtype: torch.dtype = torch.float32,
     num_warps: int | None = None,
     precision: str | None = None,
@@ -124,8 +126,6 @@ def tree_outputs(
     otherwise in three-pass tf32, as accurate as float32 (``benchmarks/gdn_kernels.py`` prints both
     errors and times). ``precision`` overrides the choice.
     """
-    from workers.models.deltanet import TREE_BLOCK, tree_blocks
-
     key_heads, _, nodes, dk = kq.shape
     heads, dv = v_.shape[0], v_.shape[-1]
     kq = kq.contiguous()

@@ -124,7 +124,8 @@ def graph_activation_bytes(config, budget: RunBudget, dtype: torch.dtype) -> int
     # few rows attend by batched products where the Triton kernel is not taken (``attention.attend_folded``):
     # scores and softmax [Hkv, rows, C]; from ``KERNEL_ROWS`` rows the kernel's split keys' partial sums,
     # float32 (merged by one kernel, which makes no copy). The larger of the two that can happen.
-    from workers.models.attention import KERNEL_ROWS, MAX_KEY_SPLITS, ROW_BLOCK, SMALL_ATTENTION_ROWS
+    from workers.models.attention import KERNEL_ROWS, SMALL_ATTENTION_ROWS
+    from workers.models.kernels import MAX_KEY_SPLITS, ROW_BLOCK
 
     rows = cfg.num_attention_heads // cfg.num_key_value_heads * budget.max_verify
     scores = 2 * cfg.num_key_value_heads * rows * budget.max_tokens * element if rows <= SMALL_ATTENTION_ROWS else 0

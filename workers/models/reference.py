@@ -19,6 +19,9 @@ from workers.seam import DraftTree, VerifyOutput, check_supported, is_hybrid
 class AttentionTarget:
     """An attention-only causal LM plus its KV cache for one sequence (batch 1)."""
 
+    graphs = False  # transformers' own forward, launched op by op
+    drafter_graphs = None
+
     def __init__(
         self,
         model: nn.Module,

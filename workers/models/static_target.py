@@ -131,6 +131,7 @@ class StaticTarget:
         if graphs and any(device.type != "cuda" for device in devices):
             raise UnsupportedModelError("CUDA graphs need every part of the target on CUDA devices")
         self.graphs = graphs
+        self.drafter_graphs = None  # the drafter's graphs beside ours (``workers.decoding.drafting``)
         self.one_device = len(devices) == 1
         self.tp = tp if tp is not None and tp.world > 1 else None
         if self.tp is not None and not self.one_device:

@@ -30,7 +30,6 @@ def test_graph_replay_equals_eager_token_for_token(request, name):
     drafter = copy.deepcopy(tiny.drafter).cuda()
     taps = drafter.spec.target_layer_ids
     eager, graphed = StaticTarget(model, taps, graphs=False), StaticTarget(model, taps, graphs=True)
-    store = DraftGraphStore()  # the drafter's graphs, kept across generations as the Worker keeps them
     vocab, accepted = tiny.shape.vocab_size, 0
     for seed in range(4):
         prompt = torch.randint(1, vocab, (1, 5 + 7 * seed), generator=torch.Generator().manual_seed(seed)).cuda()
@@ -38,14 +37,14 @@ def test_graph_replay_equals_eager_token_for_token(request, name):
         reference = ar.generate(eager, None, prompt, config).token_ids
         for _, engine, params in ENGINES:
             want = engine(eager, drafter if params else None, prompt, config, params)
-            got = engine(graphed, drafter if params else None, prompt, config, params,
-                         draft_graphs=store if params else None)
+            got = engine(graphed, drafter if params else None, prompt, config, params)
             assert want.token_ids == reference  # eager on CUDA is itself exact
             assert got.token_ids == want.token_ids  # (acceptance may differ: the drafter graph reads a masked cache)
             accepted += sum(got.acceptance_lengths) - len(got.acceptance_lengths)
     if name != "tiny_next":  # MoE routing cannot be captured: that target falls back to eager, with a warning
         assert graphed.graphs and graphed._graphs and graphed._commit_graphs, "nothing was captured"
-        assert store._drafting is not None and store._drafting.graphs, "the drafter pass was never captured"
+        store = graphed.drafter_graphs  # the drafter's graphs, kept with the target's across generations
+        assert store is not None and store._drafting.graphs, "the drafter pass was never captured"
     assert accepted > 0
 
 
