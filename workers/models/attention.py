@@ -1,14 +1,14 @@
 """Batch-1 attention over grouped K/V heads, without copying K/V once per query head.
 
 With grouped-query attention (e.g. 32 query heads over 8 K/V heads) and an explicit mask,
-transformers' SDPA path repeats K and V for every query head (``repeat_kv``): on Qwen3-8B that is a
-25 MB copy per layer and per tensor, a fifth of a decode step's GPU time. At batch 1 the query heads
+transformers' SDPA path repeats K and V for every query head (``repeat_kv``): a copy of the whole
+K/V per layer and per tensor, every pass. At batch 1 the query heads
 of a group can instead be folded into the query length: [1, Hq, q, D] -> [Hkv, g*q, D], one
 attention over the original K/V, with the mask repeated per folded row (``attend_folded``: batched
 products for few rows, SDPA for many).
 
-``NO_CUDNN`` leaves out cuDNN's SDPA: it builds a new execution plan for every new K/V length (13 ms
-each on an H200), which the drafter, whose context grows every round, would pay every round. The
+``NO_CUDNN`` leaves out cuDNN's SDPA: it builds a new execution plan for every new K/V length, which
+the drafter, whose context grows every round, would pay every round. The
 target reads fixed-size K/V buffers on CUDA, where cuDNN's cached plans are the fastest choice.
 """
 
@@ -61,8 +61,8 @@ def attend_folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
     first visible), half-precision inputs on CUDA and at least ``KERNEL_ROWS`` rows:
     ``attention_triton.attend_until``, which reads keys only up to that slot. Otherwise, few rows:
     scores by one batched product and softmax (accumulated in float32, as transformers' eager
-    attention), three kernels of a few microseconds; fused SDPA kernels take ~45 (cuDNN) to ~95
-    (memory-efficient) microseconds per call for a handful of rows on an H200. Many rows: SDPA.
+    attention), three small kernels, cheaper than a fused SDPA kernel for a handful of rows
+    (``benchmarks/attention_kernels.py``). Many rows: SDPA.
     """
     if (query.shape[1] >= KERNEL_ROWS and slots is not None and mask is not None and query.is_cuda
             and triton_available()):

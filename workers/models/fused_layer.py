@@ -9,10 +9,10 @@ the same arithmetic as
     x = x + down_proj(silu(gate_proj(m)) * up_proj(m))                                           m = norm(x)
 
 with ~20 kernels: q/k/v projections as one matrix and gate/up as one (larger matrices also stream
-closer to full memory bandwidth: measured on an H200, 3.2 vs 2.7 TB/s and 4.2 vs 3.7 TB/s), each
-RMSNorm as one fused kernel, q and k normalised and rotated together, and the attention of a few
-rows as two batched matrix products (cuDNN's fused kernel costs ~45 us per layer for one row), the
-residual sums inside the output projections' matrix products, and K and V written with one copy.
+closer to full memory bandwidth: ``benchmarks/projection_gemms.py``), each RMSNorm as one fused
+kernel, q and k normalised and rotated together, and the attention of a few rows as two batched
+matrix products (cheaper than a fused SDPA kernel for so few rows: ``benchmarks/attention_kernels.py``),
+the residual sums inside the output projections' matrix products, and K and V written with one copy.
 
 The fused matrices are built once per layer and the model's own ``q_proj.weight`` (etc.) become
 views into them, so no weight is stored twice and transformers' forward still sees the same values.

@@ -115,8 +115,8 @@ def graph_activation_bytes(config, budget: RunBudget, dtype: torch.dtype) -> int
     """One verify graph's pool beyond its outputs, on each GPU the pass spans: the pass's transient
     activations at their peak (a captured pass reuses its own freed blocks) plus the allocator's
     segment rounding. Sized from the widest rows (the MLP's gate/up and activation, hidden-size
-    temporaries; float32 GDN and attention intermediates make the measured rows ~4x that, see
-    benchmarks/graph_pools.py), a few-row attention's scores over the whole K/V buffer, and many rows'
+    temporaries; float32 GDN and attention intermediates make the rows ``benchmarks/graph_pools.py``
+    measures several times that), a few-row attention's scores over the whole K/V buffer, and many rows'
     partial sums when the Triton attention splits the keys."""
     cfg = text_config(config)
     element = torch.empty((), dtype=dtype).element_size()
