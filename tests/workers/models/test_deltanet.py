@@ -18,13 +18,12 @@ from workers.models.deltanet import (
     chain_conv,
     chain_delta_rule,
     conv_lag_index,
-    preorder,
-    tree_blocks,
     tree_conv,
     tree_delta_rule,
     window_after,
 )
 from workers.models.kernel_inputs import random_tree_parents
+from workers.models.tree_blocks import preorder, tree_blocks
 
 qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 
