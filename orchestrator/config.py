@@ -214,9 +214,20 @@ class MeasurementSection(_Strict):
     final_repeats: int = Field(3, ge=1, description="passes of the final re-measurement (each pass: AR, A, AR, B, ...)")
 
 
+
+
+class ExternalBaseline(_Strict):
+    """A speed the user already has (another engine, another setup), shown beside the study's best."""
+
+    name: str = Field(min_length=1)
+    tokens_per_s: float = Field(gt=0)
+
+
 class SweepConfig(_Strict):
     name: str = Field(min_length=1, description="Optuna study name; the same file resumes the same study")
-    method: Literal[tuple(m.value for m in METHODS)]  # type: ignore[valid-type]
+    method: str | list[str] = Field(
+        description="one method, or several compared in one study (then search_space and fixed_params hold one "
+        "mapping per method)")
     target: TargetSection
     drafter: DrafterSection | None = None
     workers: WorkersSection = WorkersSection()
@@ -224,6 +235,14 @@ class SweepConfig(_Strict):
     generation: GenerationSection = GenerationSection()
     search_space: dict[str, Param] = Field(default_factory=dict)
     fixed_params: dict[str, int | None] = Field(default_factory=dict, description="method params not swept")
+    # several methods: search_space and fixed_params per method, moved here by _per_method (never written)
+    method_spaces: dict[str, dict[str, Param]] = Field(default_factory=dict)
+    method_fixed: dict[str, dict[str, int | None]] = Field(default_factory=dict)
+    trial_timeout_s: float | None = Field(
+        None, gt=0, description="a trial running longer is stopped: its actor restarted and the trial run once more, "
+        "then failed (default: from the AR baseline's time, see orchestrator.trials)")
+    baselines: list[ExternalBaseline] = Field(
+        default_factory=list, description="speeds you already have, shown beside the study's best in the report")
     objectives: list[Objective] = Field(min_length=1, max_length=2)
     constraints: dict[Literal[METRICS], Bound] = Field(default_factory=dict)  # type: ignore[valid-type]
     sampler: SamplerSection = SamplerSection()
@@ -235,65 +254,133 @@ class SweepConfig(_Strict):
     memory_trace: MemoryTraceSection = MemoryTraceSection()
     measurement: MeasurementSection = MeasurementSection()
 
+    @field_validator("method", mode="before")
+    @classmethod
+    def _method_names(cls, value: Any) -> Any:
+        known = ", ".join(m.value for m in METHODS)
+        names = value if isinstance(value, list) else [value]
+        if not names:
+            raise ValueError(f"give one method or a list of them ({known})")
+        for name in names:
+            if not isinstance(name, str) or name not in {m.value for m in METHODS}:
+                raise ValueError(f"{name!r} is not a method (known: {known})")
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _per_method(cls, raw: Any) -> Any:
+        """With several methods, search_space and fixed_params map each method to its own mapping:
+        moved to method_spaces / method_fixed, so pydantic checks them with their place named."""
+        if not isinstance(raw, dict):
+            return raw
+        for internal in INTERNAL_FIELDS:
+            if internal in raw:
+                raise ValueError(f"{internal}: unknown field (write search_space / fixed_params per method)")
+        if not isinstance(raw.get("method"), list):
+            return raw
+        moved = dict(raw)
+        moved["method_spaces"] = moved.pop("search_space", {})
+        moved["method_fixed"] = moved.pop("fixed_params", {})
+        return moved
+
+    # -- the methods of the study and each one's space -------------------------------------------------
     @property
-    def entry(self) -> MethodEntry:
-        """This sweep's method: its engine, parameter type and rules (``workers.decoding.methods``)."""
-        return METHODS[Method(self.method)]
+    def methods(self) -> tuple[str, ...]:
+        return tuple(self.method) if isinstance(self.method, list) else (self.method,)
 
     @property
-    def method_params(self) -> type[MethodParams]:
-        """The parameter type of this sweep's method (its knobs: ``KNOBS``)."""
-        return self.entry.params
+    def several(self) -> bool:
+        """Several methods compared in one study: each trial's sampled parameters name its ``method``."""
+        return isinstance(self.method, list)
+
+    def space(self, method: str) -> dict[str, Param]:
+        return self.method_spaces.get(method, {}) if self.several else self.search_space
+
+    def fixed(self, method: str) -> dict[str, int | None]:
+        return self.method_fixed.get(method, {}) if self.several else self.fixed_params
+
+    def where(self, method: str, section: str) -> str:
+        """How the file names a method's ``search_space`` or ``fixed_params``."""
+        return f"{section}.{method}" if self.several else section
+
+    def entry_for(self, method: str) -> MethodEntry:
+        """A method's engine, parameter type and rules (``workers.decoding.methods``)."""
+        return METHODS[Method(method)]
+
+    @property
+    def needs_drafter(self) -> bool:
+        return any(self.entry_for(m).needs_drafter for m in self.methods)
+
+    @property
+    def has_knobs(self) -> bool:
+        """More than one setting to rank (several methods, or a method with knobs)."""
+        return self.several or any(self.entry_for(m).params.KNOBS for m in self.methods)
+
+    # -- a trial's setting ----------------------------------------------------------------------------------
+    def method_of(self, sampled: Mapping[str, Any]) -> str:
+        """The method of a trial from its sampled parameters (with several methods, its ``method``)."""
+        return sampled["method"] if self.several else self.method
 
     def setting(self, sampled: Mapping[str, Any]) -> dict[str, Any]:
-        """A trial's flat setting: the parameters its sampler chose and the fixed ones (the one place
-        the two are merged)."""
-        return dict(sampled) | dict(self.fixed_params)
+        """A trial's flat setting: the parameters its sampler chose and its method's fixed ones (the one
+        place the two are merged); with several methods it keeps its ``method``."""
+        return dict(sampled) | dict(self.fixed(self.method_of(sampled)))
 
     def params_of(self, sampled: Mapping[str, Any], block_size: int | None = None) -> MethodParams:
         """The method's parameter object of a trial's sampled parameters, checked (``MethodEntry.params_from``)."""
-        return self.entry.params_from(self.setting(sampled), block_size)
+        knobs = {k: v for k, v in self.setting(sampled).items() if k != "method"}
+        return self.entry_for(self.method_of(sampled)).params_from(knobs, block_size)
 
-    def widest_setting(self) -> dict[str, Any]:
-        """Every knob at its widest value in the space: the largest number, or None where None is among
-        the values (None means block_size-1 or unlimited). Verify widths, tree sizes and replay needs
-        only grow with each knob, so this setting bounds every trial's."""
-        widest: dict[str, Any] = {}
-        for name, (_, values) in self.knob_values().items():
-            widest[name] = None if None in values else max(values)
-        return widest
+    def widest_setting(self, method: str) -> dict[str, Any]:
+        """Every knob of ``method`` at its widest value in the space: the largest number, or None where
+        None is among the values (None means block_size-1 or unlimited). Verify widths, tree sizes and
+        replay needs only grow with each knob, so this setting bounds every trial's of that method."""
+        return {name: None if None in values else max(values)
+                for name, (_, values) in self.knob_values(method).items()}
 
-    def knob_values(self) -> dict[str, tuple[str, list[int | None]]]:
-        """Knob name -> (where it is set in the file, every value a trial can get), for set knobs."""
+    def knob_values(self, method: str) -> dict[str, tuple[str, list[int | None]]]:
+        """Knob name -> (where it is set in the file, every value a trial can get), for ``method``'s set knobs."""
         found: dict[str, tuple[str, list[int | None]]] = {}
-        for name in self.method_params.knob_names():
-            if name in self.search_space:
-                found[name] = (f"search_space.{name}", self.search_space[name].values())
-            elif name in self.fixed_params:
-                found[name] = (f"fixed_params.{name}", [self.fixed_params[name]])
+        space, fixed = self.space(method), self.fixed(method)
+        for name in self.entry_for(method).params.knob_names():
+            if name in space:
+                found[name] = (f"{self.where(method, 'search_space')}.{name}", space[name].values())
+            elif name in fixed:
+                found[name] = (f"{self.where(method, 'fixed_params')}.{name}", [fixed[name]])
         return found
 
     @model_validator(mode="after")
     def _cross_field(self) -> SweepConfig:
         _check_parallel(self.workers)
-        allowed = self.method_params.knob_names()
-        for section in ("search_space", "fixed_params"):
-            for name in getattr(self, section):
-                if name not in allowed:
-                    raise ValueError(
-                        f"{section}.{name}: not a parameter of method '{self.method}' "
-                        f"(its parameters: {', '.join(allowed) or 'none'})"
-                    )
-        both = set(self.search_space) & set(self.fixed_params)
-        if both:
-            raise ValueError(f"fixed_params and search_space both set {sorted(both)}")
+        if len(set(self.methods)) != len(self.methods) or not self.methods:
+            raise ValueError(f"method: each method once, at least one (got {list(self.methods)})")
+        for section, per_method in (("search_space", self.method_spaces), ("fixed_params", self.method_fixed)):
+            stray = sorted(set(per_method) - set(self.methods))
+            if stray:
+                raise ValueError(f"{section}.{stray[0]}: not one of this study's methods ({', '.join(self.methods)})")
+        for method in self.methods:
+            allowed = self.entry_for(method).params.knob_names()
+            space, fixed = self.space(method), self.fixed(method)
+            for section, values in (("search_space", space), ("fixed_params", fixed)):
+                for name in values:
+                    if name not in allowed:
+                        raise ValueError(
+                            f"{self.where(method, section)}.{name}: not a parameter of method '{method}' "
+                            f"(its parameters: {', '.join(allowed) or 'none'})"
+                        )
+            both = set(space) & set(fixed)
+            if both:
+                raise ValueError(f"{self.where(method, 'fixed_params')} and {self.where(method, 'search_space')} "
+                                 f"both set {sorted(both)}")
+            for knob in self.entry_for(method).params.KNOBS:
+                if knob.required and knob.name not in self.knob_values(method):
+                    noun = knob.name.replace("_", " ")
+                    raise ValueError(f"{self.where(method, 'search_space')}.{knob.name}: method '{method}' needs a "
+                                     f"{noun} (swept or fixed)")
         check_knobs(self, None)  # every setting a trial can get must be a valid engine parameter
-        if self.entry.needs_drafter and self.drafter is None:
-            raise ValueError(f"drafter: method '{self.method}' needs a drafter")
-        for knob in self.method_params.KNOBS:
-            if knob.required and knob.name not in self.knob_values():
-                noun = knob.name.replace("_", " ")
-                raise ValueError(f"search_space.{knob.name}: method '{self.method}' needs a {noun} (swept or fixed)")
+        if self.needs_drafter and self.drafter is None:
+            needing = [m for m in self.methods if self.entry_for(m).needs_drafter]
+            raise ValueError(f"drafter: method '{needing[0]}' needs a drafter")
         metrics = [objective.metric for objective in self.objectives]
         if len(set(metrics)) != len(metrics):
             raise ValueError(f"objectives: the same metric twice ({metrics})")
@@ -302,42 +389,53 @@ class SweepConfig(_Strict):
                              "(Optuna cannot prune multi-objective trials)")
         if self.sampler.predicts:
             where = "sampler.type" if self.sampler.type == "predicted" else "sampler.predict"
-            if not self.entry.needs_drafter:
+            if not self.needs_drafter:
                 raise ValueError(f"{where}: predictions are for speculative methods (ddtree, dflash), not "
-                                 f"'{self.method}'")
+                                 f"'{self.methods[0]}'")
             if self.sampler.type == "predicted" and ("tokens_per_s", "maximize") not in [
                 (o.metric, o.direction) for o in self.objectives
             ]:
                 raise ValueError("sampler.type: 'predicted' ranks settings by predicted tokens_per_s; "
                                  "add the objective {metric: tokens_per_s, direction: maximize}")
         if self.sampler.type == "grid":
-            bad = [n for n, p in self.search_space.items() if isinstance(p, IntParam) and p.log]
-            if bad:
-                raise ValueError(f"search_space.{bad[0]}: a grid sampler takes every step; drop log=true")
+            for method in self.methods:
+                bad = [n for n, p in self.space(method).items() if isinstance(p, IntParam) and p.log]
+                if bad:
+                    raise ValueError(f"{self.where(method, 'search_space')}.{bad[0]}: a grid sampler takes every "
+                                     "step; drop log=true")
         return self
 
     def fingerprint(self) -> str:
-        """Hash of the fields that define what a study measures; a changed one means a new study."""
-        defining = {
+        """Hash of the fields that define what a study measures; a changed one means a new study (a
+        one-method file hashes as it always did, so its studies resume)."""
+        return hashlib.sha256(json.dumps(self._defining(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def _defining(self) -> dict[str, Any]:
+        def dump(space: dict[str, Param]) -> dict[str, Any]:
+            return {k: v.model_dump() for k, v in sorted(space.items())}
+
+        if self.several:
+            spaces = {m: dump(self.space(m)) for m in self.methods}
+            fixed = {m: dict(sorted(self.fixed(m).items())) for m in self.methods}
+        else:
+            spaces, fixed = dump(self.search_space), dict(sorted(self.fixed_params.items()))
+        return {
             "method": self.method,
             "target": self.target.model,
             "dtype": self.target.dtype,
             "drafter": self.drafter.model if self.drafter else None,
-            "search_space": {k: v.model_dump() for k, v in sorted(self.search_space.items())},
-            "fixed_params": dict(sorted(self.fixed_params.items())),
+            "search_space": spaces,
+            "fixed_params": fixed,
             "objectives": [o.model_dump() for o in self.objectives],
         }
-        return hashlib.sha256(json.dumps(defining, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def defining_summary(self) -> dict[str, Any]:
-        return {
-            "method": self.method,
-            "target": self.target.model,
-            "drafter": self.drafter.model if self.drafter else None,
-            "search_space": {k: v.model_dump() for k, v in self.search_space.items()},
-            "fixed_params": self.fixed_params,
-            "objectives": [f"{o.direction} {o.metric}" for o in self.objectives],
-        }
+        defining = self._defining()
+        return {key: defining[key] for key in ("method", "target", "drafter", "search_space", "fixed_params")} | {
+            "objectives": [f"{o.direction} {o.metric}" for o in self.objectives]}
+
+
+INTERNAL_FIELDS = ("method_spaces", "method_fixed")
 
 
 def _check_parallel(workers: WorkersSection) -> None:
@@ -465,7 +563,7 @@ def _known_fields(loc: tuple[Any, ...]) -> list[str]:
                  for m in _models_in(model.model_fields[part].annotation)]
         if inner:
             models = inner
-    return sorted({name for model in models for name in model.model_fields})
+    return sorted({name for model in models for name in model.model_fields} - set(INTERNAL_FIELDS))
 
 
 def _did_you_mean(name: str, known: list[str]) -> str:
@@ -482,9 +580,14 @@ def _first_error(exc: ValidationError) -> str:
     errors = exc.errors()
     error = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     parts = list(error["loc"])
+    # several methods: the per-method mappings are validated as method_spaces / method_fixed
+    renamed = {"method_spaces": "search_space", "method_fixed": "fixed_params"}
+    if parts and parts[0] in renamed:
+        parts[0] = renamed[parts[0]]
     # Drop pydantic's own location parts: the union tag after a search-space entry, and '[key]' markers.
-    if len(parts) >= 3 and parts[0] == "search_space" and parts[2] in ("int", "categorical"):
-        del parts[2]
+    tag_at = 3 if error["loc"] and error["loc"][0] == "method_spaces" else 2
+    if len(parts) > tag_at and parts[0] == "search_space" and parts[tag_at] in ("int", "categorical"):
+        del parts[tag_at]
     where = ".".join(str(part) for part in parts if str(part) != "[key]")
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "missing":
@@ -525,12 +628,13 @@ def drafter_spec(config: SweepConfig, source: str):
 def check_knobs(config: SweepConfig, block_size: int | None) -> None:
     """Every value a trial can get, checked by its knob (and against the drafter's block when known);
     ValueError names the field as written in the sweep file."""
-    by_name = {knob.name: knob for knob in config.method_params.KNOBS}
-    for name, (where, values) in config.knob_values().items():
-        try:
-            by_name[name].check(values, block_size)
-        except ValueError as exc:
-            raise ValueError(f"{where}: {str(exc).removeprefix(name + ' ')}") from None
+    for method in config.methods:
+        by_name = {knob.name: knob for knob in config.entry_for(method).params.KNOBS}
+        for name, (where, values) in config.knob_values(method).items():
+            try:
+                by_name[name].check(values, block_size)
+            except ValueError as exc:
+                raise ValueError(f"{where}: {str(exc).removeprefix(name + ' ')}") from None
 
 
 def check_against_block(config: SweepConfig, block_size: int | None, source: str) -> None:
@@ -556,7 +660,8 @@ ASSUMED_BLOCK = 16
 def widest_verify(config: SweepConfig, block_size: int | None) -> int:
     """Positions one verify pass can add beyond the committed tokens, for the widest setting swept."""
     block = block_size or ASSUMED_BLOCK
-    return config.entry.verify_width(config.entry.params_from(config.widest_setting(), block), block)
+    return max(config.entry_for(m).verify_width(config.entry_for(m).params_from(config.widest_setting(m), block), block)
+               for m in config.methods)
 
 
 def check_models(config: SweepConfig, spec, source: str):

@@ -31,10 +31,14 @@ from workers.decoding.replay import ReplayTable
 
 
 def replay_plan(config: SweepConfig, block_size: int) -> ReplayPlan:
-    """What the replay tables must keep for every trial of the sweep: the plan of its widest setting
-    (the largest budget is the ceiling, the widest branching the top-K)."""
-    entry = config.entry
-    return entry.replay_plan([entry.params_from(config.widest_setting(), block_size)], block_size)
+    """What the replay tables must keep for every trial of the sweep: the plans of each method's widest
+    setting merged (the largest budget is the ceiling, the widest branching the top-K)."""
+    plan = ReplayPlan()
+    for method in config.methods:
+        entry = config.entry_for(method)
+        plan = plan.merge(entry.replay_plan([entry.params_from(config.widest_setting(method), block_size)],
+                                            block_size))
+    return plan
 
 
 class Predictor:

@@ -26,8 +26,8 @@ from workers.wire import TrialResult, TrialSpec, TrialStatus
 
 
 def is_ranked(config: SweepConfig) -> bool:
-    """Whether the sweep has settings to re-rank (a method without knobs has one setting)."""
-    return config.measurement.final_top_k > 0 and bool(config.method_params.KNOBS)
+    """Whether the sweep has settings to re-rank (one method without knobs has one setting)."""
+    return config.measurement.final_top_k > 0 and config.has_knobs
 
 
 def pending(config: SweepConfig, tracker: Tracker, study: optuna.Study) -> bool:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from workers.decoding.methods import all_knobs
+from workers.decoding.methods import all_knobs, entry
 from workers.errors import BadInputError
 
 PARAM_COLUMNS = tuple(knob.name for knob in all_knobs())  # every method's knobs, from the registry
@@ -74,7 +74,8 @@ def trials_from_mlflow(tracking_uri: str, experiment: str, study: str, study_uid
     )
     rows = []
     for run in runs:
-        row = {"trial": int(run.data.tags["optuna_trial"]), "status": run.data.tags.get("trial_status", "ok")}
+        row = {"trial": int(run.data.tags["optuna_trial"]), "status": run.data.tags.get("trial_status", "ok"),
+               "method": run.data.params.get("method")}
         for name in PARAM_COLUMNS:
             if name in run.data.params:
                 value = run.data.params[name]
@@ -108,7 +109,7 @@ def remeasured_from_mlflow(tracking_uri: str, experiment: str, study: str,
     for run in runs:
         if int(run.data.tags.get("final_round", "0")) != latest:
             continue
-        row = {"trial": int(run.data.tags["optuna_trial"]), "status": "ok"}
+        row = {"trial": int(run.data.tags["optuna_trial"]), "status": "ok", "method": run.data.params.get("method")}
         for name in PARAM_COLUMNS:
             if name in run.data.params:
                 value = run.data.params[name]
@@ -155,7 +156,8 @@ def _memory_label(frame: pd.DataFrame) -> str:
     return f"peak memory (GiB, {', '.join(MEMORY_KINDS.get(k, k) for k in kinds)})"
 
 
-def write_plots(frame: pd.DataFrame, out: Path, objectives: list[tuple[str, str]]) -> list[Path]:
+def write_plots(frame: pd.DataFrame, out: Path, objectives: list[tuple[str, str]],
+                baselines: list[tuple[str, float]] = ()) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -175,9 +177,8 @@ def write_plots(frame: pd.DataFrame, out: Path, objectives: list[tuple[str, str]
             fig, ax = plt.subplots(figsize=(6.5, 4))
             data = ok if metric != "peak_memory_gib" else frame
             _scatter(ax, data, x, metric, colour)
-            if metric == "tokens_per_s" and not baseline.empty:  # the number every setting has to beat
-                ax.axhline(baseline.median(), color="C3", linestyle="--",
-                           label=f"AR baseline ({baseline.median():.4g} tokens/s)")
+            if metric == "tokens_per_s":  # the numbers every setting has to beat
+                _baseline_lines(ax, baseline, baselines)
             if metric == "tau":
                 ax.axhline(1.0, color="C3", linestyle="--", label="AR (tau = 1)")
             if x == "tree_budget":
@@ -191,6 +192,8 @@ def write_plots(frame: pd.DataFrame, out: Path, objectives: list[tuple[str, str]
             fig.savefig(out / name, dpi=90)
             plt.close(fig)
             written.append(out / name)
+    if "method" in ok and ok["method"].nunique() > 1:
+        written.append(_methods_plot(ok, baseline, baselines, out / "tokens_per_s_by_method.png"))
     pair = [name for name, _ in objectives] if len(objectives) == 2 else ["peak_memory_gib", objectives[0][0]]
     if not ok.empty and all(c in ok for c in pair):
         axes = [(n, d) for n, d in objectives] if len(objectives) == 2 else [
@@ -209,6 +212,63 @@ def write_plots(frame: pd.DataFrame, out: Path, objectives: list[tuple[str, str]
         plt.close(fig)
         written.append(out / "pareto_front.png")
     return written
+
+
+def _baseline_lines(ax, ar: pd.Series, baselines) -> None:
+    """The AR baseline measured beside the trials (median), and the speeds the user already has."""
+    if not ar.empty:
+        ax.axhline(ar.median(), color="C3", linestyle="--", label=f"AR baseline ({ar.median():.4g} tokens/s)")
+    for index, (name, tokens_per_s) in enumerate(baselines):
+        ax.axhline(tokens_per_s, color=f"C{4 + index}", linestyle=":", label=f"{name} ({tokens_per_s:.4g} tokens/s)")
+
+
+def _methods_plot(ok: pd.DataFrame, ar: pd.Series, baselines, path: Path) -> Path:
+    """tokens/s of every finished trial, one column of points per method, beside the baselines."""
+    import matplotlib.pyplot as plt
+
+    methods = sorted(ok["method"].dropna().unique())
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for position, method in enumerate(methods):
+        speeds = ok.loc[ok["method"] == method, "tokens_per_s"].dropna()
+        spread = [position + 0.15 * ((i % 5) - 2) / 2 for i in range(len(speeds))]  # side by side, not on top
+        ax.scatter(spread, speeds, s=22, label=f"{method} ({len(speeds)} trials, best {speeds.max():.4g})")
+    _baseline_lines(ax, ar, baselines)
+    ax.set_xticks(range(len(methods)), methods)
+    ax.set_ylabel(UNITS["tokens_per_s"])
+    ax.set_title("tokens/s by method")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def method_lines(frame: pd.DataFrame, remeasured: pd.DataFrame, objectives: list[tuple[str, str]],
+                 baselines: list[tuple[str, float]]) -> list[str]:
+    """Each method's best (re-measured when it was) against the AR baseline and the user's baselines:
+    the answer to "tree or chain, which setting, against what I have"."""
+    ok = frame[frame["status"] == "ok"] if "status" in frame else frame
+    if "method" not in ok or ok.empty:
+        return []
+    name, direction = objectives[0]
+    lines = []
+    ar = ok["baseline_tokens_per_s"].dropna() if "baseline_tokens_per_s" in ok else pd.Series(dtype=float)
+    for method in sorted(ok["method"].dropna().unique()):
+        pool, source = ok[ok["method"] == method], "search"
+        if not remeasured.empty and "method" in remeasured and (remeasured["method"] == method).any():
+            pool, source = remeasured[remeasured["method"] == method], "re-measured"
+        if name not in pool or pool[name].dropna().empty:
+            continue
+        row = pool.sort_values(name, ascending=direction == "minimize").iloc[0]
+        params = {c: (None if pd.isna(row[c]) else int(row[c])) for c in entry(method).params.knob_names() if c in row}
+        speed = row.get("tokens_per_s")
+        against = [f"{speed / value:.2f}x {label}" for label, value in baselines if speed and not pd.isna(speed)]
+        lines.append(f"best {method} ({source}): trial {int(row['trial'])} {params} -> {name} {_cell(row[name])}, "
+                     f"speedup {_cell(row.get('speedup'))}" + (f"; {', '.join(against)}" if against else ""))
+    if not ar.empty:
+        lines.append(f"AR baseline: {ar.median():.4g} tokens/s (median of the trials' own)")
+    lines += [f"your baseline {label}: {value:.4g} tokens/s" for label, value in baselines]
+    return lines
 
 
 def write_optuna_plots(study, out: Path, objectives: list[tuple[str, str]]) -> tuple[list[Path], list[str]]:
@@ -289,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     remeasured = remeasured_from_mlflow(config.mlflow.tracking_uri, config.mlflow.experiment, study_name, study_uid)
     if not remeasured.empty:
         remeasured.to_csv(out / "remeasured.csv", index=False)
-    written = write_plots(frame, out, objectives)
+    baselines = [(b.name, b.tokens_per_s) for b in config.baselines]
+    written = write_plots(frame, out, objectives, baselines)
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -300,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     if not console.is_terminal:
         console = Console(width=180)
-    columns = ["trial", "status", *[c for c in PARAM_COLUMNS if c in frame], *METRIC_COLUMNS,
+    method_column = ["method"] if config.several else []
+    columns = ["trial", "status", *method_column, *[c for c in PARAM_COLUMNS if c in frame], *METRIC_COLUMNS,
                *[c for c in PREDICTED_COLUMNS if c in frame]]
     table = Table(title=f"study {study_name}: {len(frame)} finished trials")
     for column in columns:
@@ -310,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     console.print(table)
     if not remeasured.empty:
         again = Table(title=f"final re-measurement: {int(remeasured['passes'].max())} passes, each AR then the setting")
-        columns = ["trial", *[c for c in PARAM_COLUMNS if c in remeasured], *REMEASURED_COLUMNS]
+        columns = ["trial", *method_column, *[c for c in PARAM_COLUMNS if c in remeasured], *REMEASURED_COLUMNS]
         for column in columns:
             again.add_column(column, justify="right")
         for _, row in remeasured.iterrows():
@@ -338,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
                               f"re-measured range {_cell(row['tokens_per_s_min'])}..{_cell(row['tokens_per_s_max'])} "
                               f"tokens/s, speedup {_cell(row['speedup'])} against AR at "
                               f"{_cell(row['baseline_tokens_per_s'])} tokens/s", highlight=False)
+    if config.several or baselines:
+        for line in method_lines(frame, remeasured, objectives, baselines):
+            console.print(line, highlight=False)
     for line in skipped:
         console.print(line, highlight=False)
     for line in prediction_lines(frame):

@@ -142,6 +142,10 @@ def read_only_storage(url: str) -> optuna.storages.RDBStorage | None:
 def make_sampler(config: SweepConfig) -> optuna.samplers.BaseSampler:
     seed = config.sampler.seed
     kind = config.sampler.type
+    if kind == "tpe" and config.several:  # a conditional space (each method its knobs): TPE's grouped model
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True)
     if kind == "tpe":
         return optuna.samplers.TPESampler(seed=seed)
     if kind == "nsga2":
@@ -267,9 +271,16 @@ def grid_note(config: SweepConfig) -> str | None:
 
 
 def grid_points(config: SweepConfig) -> list[dict[str, Any]]:
-    names = sorted(config.search_space)
-    axes = [config.search_space[n].values() for n in names]
-    return [dict(zip(names, point, strict=True)) for point in itertools.product(*axes)]
+    """Every point of the space as a trial's sampled parameters (with several methods, each method's
+    points, named by ``method``)."""
+    points = []
+    for method in config.methods:
+        space = config.space(method)
+        names = sorted(space)
+        named = {"method": method} if config.several else {}
+        points += [named | dict(zip(names, point, strict=True))
+                   for point in itertools.product(*(space[n].values() for n in names))]
+    return points
 
 
 def enqueue_grid(study: optuna.Study, config: SweepConfig) -> None:
@@ -286,7 +297,7 @@ def target_complete(config: SweepConfig) -> int:
 
 
 def space_size(config: SweepConfig) -> int:
-    return math.prod(len(space.values()) for space in config.search_space.values())
+    return sum(math.prod(len(param.values()) for param in config.space(m).values()) for m in config.methods)
 
 
 def space_points(config: SweepConfig, limit: int, seed: int | None) -> list[dict[str, Any]]:
@@ -296,12 +307,15 @@ def space_points(config: SweepConfig, limit: int, seed: int | None) -> list[dict
     import random
 
     rng = random.Random(seed)
-    names = sorted(config.search_space)
-    axes = [config.search_space[n].values() for n in names]
+    sizes = [math.prod(len(p.values()) for p in config.space(m).values()) for m in config.methods]
     seen: dict[tuple, dict[str, Any]] = {}
-    while len(seen) < limit:
-        point = tuple(rng.choice(axis) for axis in axes)
-        seen.setdefault(point, dict(zip(names, point, strict=True)))
+    while len(seen) < limit:  # a method drawn in proportion to its points, then a point of its space
+        method = rng.choices(config.methods, weights=sizes)[0]
+        space = config.space(method)
+        names = sorted(space)
+        point = tuple(rng.choice(space[n].values()) for n in names)
+        named = {"method": method} if config.several else {}
+        seen.setdefault((method, point), named | dict(zip(names, point, strict=True)))
     return list(seen.values())
 
 
@@ -387,9 +401,13 @@ def median_trial_seconds(study: optuna.Study) -> float | None:
 
 
 def suggest(trial: Trial, config: SweepConfig) -> dict[str, Any]:
-    """The trial's method parameters: swept ones from the sampler, fixed ones from the file."""
+    """The trial's method parameters: swept ones from the sampler, fixed ones from the file. With
+    several methods the method is a parameter too, and each method's knobs are sampled only in its
+    trials (Optuna's define-by-run conditional space)."""
     params: dict[str, Any] = {}
-    for name, space in config.search_space.items():
+    if config.several:
+        params["method"] = trial.suggest_categorical("method", list(config.methods))
+    for name, space in config.space(config.method_of(params)).items():
         if isinstance(space, IntParam):
             params[name] = trial.suggest_int(name, space.low, space.high, step=space.step, log=space.log)
         elif isinstance(space, CategoricalParam):

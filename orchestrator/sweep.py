@@ -95,10 +95,14 @@ def plan_text(config, path: Path, new_study: bool = False) -> str:
     if config.pruner.type != "none":
         p = config.pruner
         lines.append(f"pruner     {p.type} (startup {p.n_startup_trials} trials, warm-up {p.n_warmup_steps} prompts)")
-    for name, space in config.search_space.items():
-        lines.append(f"  {name:<17} {space.model_dump(exclude={'type'})}")
-    for name, value in config.fixed_params.items():
-        lines.append(f"  {name:<17} fixed {value}")
+    for method in config.methods:
+        if config.several:
+            lines.append(f"  {method}")
+        indent = "    " if config.several else "  "
+        for name, space in config.space(method).items():
+            lines.append(f"{indent}{name:<17} {space.model_dump(exclude={'type'})}")
+        for name, value in config.fixed(method).items():
+            lines.append(f"{indent}{name:<17} fixed {value}")
     if config.sampler.type == "grid":
         lines.append(f"  grid points       {len(grid_points(config))}")
         if grid_note(config):

@@ -80,8 +80,9 @@ class TrialSpecs:
 def run_params(config: SweepConfig, study_name: str, number: int, setting: dict[str, Any]) -> dict[str, Any]:
     """What identifies a trial, as child-run params: number, method, every method parameter (None
     where the engine's default applies), and how it was measured."""
-    method_params = {name: setting.get(name) for name in config.method_params.knob_names()}
-    return {"trial": number, "method": config.method, **method_params,
+    method = config.method_of(setting)
+    method_params = {name: setting.get(name) for name in config.entry_for(method).params.knob_names()}
+    return {"trial": number, "method": method, **method_params,
             "repeats": config.measurement.repeats, "max_new_tokens": config.prompts.max_new_tokens,
             "temperature": config.generation.temperature, "study": study_name}
 
