@@ -53,6 +53,8 @@ TRIAL_TAG = "optuna_trial"
 STATUS_TAG = "trial_status"
 ROLE_TAG = "sweep_role"
 MEMORY_KIND_TAG = "memory_kind"
+BASELINE_TAG = "baseline"
+BASELINE_HOW = "AR on each prompt just before the method, both warmed up, on the same actor"
 ROUND_TAG = "final_round"  # on the parent and on each re-measurement run: which re-measurement is current
 # One step metric per committed length (step = length, value = rounds): the chart is the histogram.
 ACCEPTANCE_STEP_METRIC = "acceptance_rounds_by_length"
@@ -390,6 +392,8 @@ class Tracker:
         # The table shows a step metric's last value only, so the histogram also gets scalar columns.
         entries += [Metric(k, float(v), now, 0) for k, v in acceptance_columns(histogram).items()]
         tags = [RunTag(STATUS_TAG, result.status.value), RunTag(MEMORY_KIND_TAG, trace.kind)]
+        if "baseline_tokens_per_s" in metrics:  # how the speedup's AR figure was measured
+            tags.append(RunTag(BASELINE_TAG, BASELINE_HOW))
         for start in range(0, max(len(entries), 1), BATCH):
             self.client.log_batch(run_id, metrics=entries[start : start + BATCH], tags=tags if start == 0 else [])
         with tempfile.TemporaryDirectory() as tmp:

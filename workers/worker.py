@@ -3,7 +3,8 @@
 ``Worker(config).load()`` places the target (one device or split over GPUs) and the drafter next to
 the target's lm_head. ``run_trial(spec)`` generates every prompt with one method and setting, under
 the GPU-memory tracer, and returns a ``TrialResult`` with the metrics of DESIGN.md. The AR baseline
-on the same prompts and generation settings is measured once and cached. A CUDA out-of-memory error
+runs on each prompt just before the method (both warmed up), so every speedup compares runs of the
+same moment on the same actor. A CUDA out-of-memory error
 becomes a result with status "oom" (memory freed, worker still usable); any other exception becomes
 status "error" with its message. Ray wraps this class in the orchestrator; it does not need Ray.
 
@@ -15,8 +16,6 @@ lockstep; only rank 0 gets ``on_prompt``, and its stop decision is broadcast aft
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
 import traceback
@@ -33,7 +32,7 @@ from workers.decoding.generation import (
     StageTimer,
     device_sync,
 )
-from workers.decoding.methods import METHODS
+from workers.decoding.methods import METHODS, Method
 from workers.decoding.params import ARParams, MethodParams
 from workers.errors import BadInputError, TrialStopped
 from workers.memory import MemoryTracer, reset_and_empty_cache
@@ -67,7 +66,6 @@ class Worker:
         self.drafter: DFlashDrafter | None = None
         self.target = None  # a StaticTarget (workers.models.static_target.make_target)
         self.tokenizer = None
-        self._baselines: dict[str, list[GenerationOutput]] = {}
         self._state_bytes: int | None = None  # peak tree_state_bytes of the last _generate_all (hybrids)
         self.tp: TPGroup | None = None  # this worker's rank in a tensor-parallel group (None: alone)
 
@@ -150,8 +148,7 @@ class Worker:
                 if spec.fault == "crash":  # the process dies as on a CUDA illegal-address abort
                     os._exit(17)
                 prompts, gen = self._prepare(spec)
-                baseline = self._baseline(spec, prompts, gen) if spec.baseline else None
-                outputs = self._generate_all(spec, prompts, gen, on_prompt, baseline, lockstep=True)
+                outputs, baseline = self._generate_all(spec, prompts, gen, on_prompt, lockstep=True)
                 state_bytes = self._state_bytes
             metrics = summarize(outputs, baseline, greedy=gen.temperature < 1e-5)
             metrics |= per_category(spec.prompts, outputs, baseline)
@@ -200,28 +197,40 @@ class Worker:
         return prompts, gen
 
     def _generate_all(self, spec: TrialSpec, prompts: list[torch.Tensor], gen: GenerationConfig, on_prompt=None,
-                      baseline: list[GenerationOutput] | None = None, lockstep: bool = False) -> list[GenerationOutput]:
-        """Every prompt of the trial; ``lockstep``: the trial's own run, where (tensor parallel) every rank
-        takes rank 0's stop decision after each prompt."""
-        entry = METHODS[spec.method]
-        drafter = self.drafter if entry.needs_drafter else None
-        if spec.warmup:  # one short untimed run so lazy init and allocator growth stay out of the numbers
+                      lockstep: bool = False) -> tuple[list[GenerationOutput], list[GenerationOutput] | None]:
+        """Every prompt of the trial: (the method's outputs, the AR baseline's or None).
+
+        With ``spec.baseline`` each prompt runs AR just before the method, both warmed up first: the
+        speedup then compares runs of the same moment on the same actor (a baseline measured once, on a
+        cold actor, read AR up to a quarter slow and every speedup as much too high). ``lockstep``: the
+        trial's own run, where (tensor parallel) every rank takes rank 0's stop decision after each prompt.
+        """
+        runs = [(METHODS[spec.method], spec.params)]
+        if spec.baseline:
+            runs.insert(0, (METHODS[Method.AR], ARParams()))
+        if spec.warmup:  # one short untimed run each, so lazy init and graph captures stay out of the numbers
             warm = GenerationConfig(min(WARMUP_TOKENS, gen.max_new_tokens), gen.temperature, (), gen.seed)
-            entry.generate(self.target, drafter, prompts[0], warm, spec.params)
-        outputs, state_bytes = [], 0
-
-        def measure(prompt_ids: torch.Tensor, prompt_gen: GenerationConfig) -> GenerationOutput:
-            timer = StageTimer(device_sync(self.target.device)) if spec.stage_timing else NULL_TIMER  # one per run
-            return entry.generate(self.target, drafter, prompt_ids, prompt_gen, spec.params, timer=timer)
-
+            for entry, params in runs:
+                entry.generate(self.target, self.drafter if entry.needs_drafter else None, prompts[0], warm, params)
+        timed: list[list[GenerationOutput]] = [[] for _ in runs]
+        state_bytes = 0
         for index, prompt_ids in enumerate(prompts):
             prompt_gen = GenerationConfig(gen.max_new_tokens, gen.temperature, gen.stop_token_ids, gen.seed + index)
-            # Repeats give the same tokens (same seed); only the times differ, and the median one counts.
-            outputs.append(median_run([measure(prompt_ids, prompt_gen) for _ in range(max(spec.repeats, 1))]))
-            state_bytes = max(state_bytes, getattr(self.target, "peak_state_bytes", 0))
+            for (entry, params), done in zip(runs, timed, strict=True):
+                # repeats give the same tokens (same seed); only the times differ, and the median one counts
+                done.append(median_run([self._measure(entry, params, prompt_ids, prompt_gen, spec.stage_timing)
+                                        for _ in range(max(spec.repeats, 1))]))
+                state_bytes = max(state_bytes, getattr(self.target, "peak_state_bytes", 0))
+            outputs, baseline = timed[-1], (timed[0] if spec.baseline else None)
             self._after_prompt(outputs, baseline, on_prompt, lockstep)
         self._state_bytes = state_bytes if getattr(self.target, "linear_ids", ()) else None
-        return outputs
+        return timed[-1], (timed[0] if spec.baseline else None)
+
+    def _measure(self, entry, params, prompt_ids: torch.Tensor, config: GenerationConfig,
+                 stage_timing: bool) -> GenerationOutput:
+        timer = StageTimer(device_sync(self.target.device)) if stage_timing else NULL_TIMER  # one per run
+        drafter = self.drafter if entry.needs_drafter else None
+        return entry.generate(self.target, drafter, prompt_ids, config, params, timer=timer)
 
     def _after_prompt(self, outputs: list[GenerationOutput], baseline: list[GenerationOutput] | None, on_prompt,
                       lockstep: bool) -> None:
@@ -236,18 +245,6 @@ class Worker:
             stopped = TrialStopped("stopped early by rank 0 of the tensor-parallel group")
         if stopped is not None:
             raise stopped
-
-    def _baseline(self, spec: TrialSpec, prompts: list[torch.Tensor], gen: GenerationConfig) -> list[GenerationOutput]:
-        """AR on the same prompts and settings, measured once per worker and reused."""
-        key = hashlib.sha256(
-            json.dumps([[p.tolist() for p in prompts], gen.max_new_tokens, gen.temperature, gen.stop_token_ids,
-                        gen.seed, spec.stage_timing, spec.repeats]).encode()
-        ).hexdigest()
-        if key not in self._baselines:  # timed as the method is: with stage timing only if it has it
-            ar_spec = TrialSpec(ARParams(), spec.prompts, stage_timing=spec.stage_timing, warmup=spec.warmup,
-                                repeats=spec.repeats)
-            self._baselines[key] = self._generate_all(ar_spec, prompts, gen)
-        return self._baselines[key]
 
     # -- sweep intelligence: acceptance replay and the cost table (workers.decoding.replay, workers.costs)
     def replay_tables(self, spec: TrialSpec, top_k: int) -> list[dict[str, Any]]:

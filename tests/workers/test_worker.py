@@ -1,4 +1,4 @@
-"""The worker class: metrics of a trial, the cached AR baseline, OOM and error results."""
+"""The worker class: metrics of a trial, the AR baseline measured beside it, OOM and error results."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from workers.decoding.methods import METHODS, Method
 from workers.decoding.params import TreeParams
 from workers.prompts import Prompt
 from workers.wire import TrialSpec, WorkerConfig
-from workers.worker import Worker
+from workers.worker import WARMUP_TOKENS, Worker
 
 
 @pytest.fixture(scope="module")
@@ -25,10 +25,10 @@ def _prompts(count: int = 3, seed: int = 0) -> tuple[Prompt, ...]:
 
 
 def _spec(method: Method, fault: str | None = None, stage_timing: bool = False, repeats: int = 1,
-          **knobs) -> TrialSpec:
+          baseline: bool = True, **knobs) -> TrialSpec:
     params = METHODS[method].params.from_mapping(knobs)
     return TrialSpec(params=params, prompts=_prompts(), max_new_tokens=24, stop_token_ids=(), fault=fault,
-                     stage_timing=stage_timing, repeats=repeats)
+                     stage_timing=stage_timing, repeats=repeats, baseline=baseline)
 
 
 @pytest.mark.parametrize(
@@ -66,14 +66,30 @@ def test_stage_timing_is_off_unless_asked(worker):
     assert result.status == "ok" and not any(name.startswith("share_") for name in result.metrics)
 
 
-def test_baseline_is_measured_once_per_prompt_set(worker):
-    worker._baselines.clear()
-    worker.run_trial(_spec(Method.DDTREE, tree_budget=8))
-    worker.run_trial(_spec(Method.DDTREE, tree_budget=32))
-    assert len(worker._baselines) == 1
-    worker.run_trial(TrialSpec(METHODS[Method.DFLASH].params(), prompts=_prompts(seed=1), max_new_tokens=24,
-                               stop_token_ids=()))
-    assert len(worker._baselines) == 2
+def test_the_baseline_runs_warm_beside_each_prompt(worker, monkeypatch):
+    """Warm-ups of AR and of the method first, then AR just before the method on every prompt: the
+    speedup compares runs of the same moment, never a cold first AR."""
+    from workers.decoding import ar, ddtree
+
+    calls = []
+
+    def recording(name, engine):
+        def run(target, drafter, prompt_ids, config, params, **kwargs):
+            calls.append((name, config.max_new_tokens))
+            return engine(target, drafter, prompt_ids, config, params, **kwargs)
+        return run
+
+    monkeypatch.setattr(ar, "generate", recording("ar", ar.generate))
+    monkeypatch.setattr(ddtree, "generate", recording("ddtree", ddtree.generate))
+    result = worker.run_trial(_spec(Method.DDTREE, tree_budget=8))
+    assert result.status == "ok", result.error
+    prompts = len(_prompts())
+    warm = min(WARMUP_TOKENS, 24)
+    assert calls == [("ar", warm), ("ddtree", warm)] + [("ar", 24), ("ddtree", 24)] * prompts
+    assert result.metrics["baseline_tokens_per_s"] > 0 and result.metrics["lossless_match"] == 1.0
+    calls.clear()
+    assert worker.run_trial(_spec(Method.DDTREE, tree_budget=8, baseline=False)).status == "ok"
+    assert calls == [("ddtree", warm)] + [("ddtree", 24)] * prompts  # no AR at all without a baseline
 
 
 def test_oom_is_a_result_and_the_worker_stays_usable(worker):
@@ -116,5 +132,4 @@ def test_repeats_measure_each_prompt_again_and_keep_its_tokens(worker):
     assert thrice.status == "ok", thrice.error
     assert [o.token_ids for o in thrice.outputs] == [o.token_ids for o in once.outputs]
     assert thrice.metrics["lossless_match"] == 1.0
-    # The AR baseline is measured with the same repeats, so it is cached under its own key.
-    assert len({key for key in worker._baselines}) >= 2
+    assert thrice.metrics["baseline_tokens_per_s"] > 0  # the AR baseline is measured with the same repeats
