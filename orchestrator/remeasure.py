@@ -68,7 +68,7 @@ class FinalRemeasure:
         passes = measurement.final_repeats
         self.progress.note(f"re-measuring the best {len(picks)} settings (trials {numbers}), {passes} passes, "
                            "each interleaved with the AR baseline ...")
-        samples: dict[int, list[tuple[dict, dict]]] = {t.number: [] for t in picks}
+        samples: dict[int, dict[int, tuple[dict, dict]]] = {t.number: {} for t in picks}  # pass -> (AR, setting)
         for index in range(passes):
             for trial in picks:
                 pair = []
@@ -79,11 +79,11 @@ class FinalRemeasure:
                         return None
                     pair.append(result)
                 if all(r.status is TrialStatus.OK for r in pair):
-                    samples[trial.number].append((pair[0].metrics, pair[1].metrics))
+                    samples[trial.number][index] = (pair[0].metrics, pair[1].metrics)
         self.progress.stage = ""
         final: dict[str, Any] = {"round": round_id, "trials": {}}
         for trial in picks:
-            metrics = remeasured_metrics(samples[trial.number])
+            metrics = remeasured_metrics(list(samples[trial.number].values()))
             if metrics is None:
                 self.progress.note(f"trial {trial.number}: its re-measurement failed; not a candidate")
                 continue
@@ -91,8 +91,11 @@ class FinalRemeasure:
             self.tracker.log_remeasure(self.parent_id, self.study.study_name, uid, trial.number,
                                        params | {"passes": passes}, metrics, round_id)
             final["trials"][trial.number] = metrics
-        self.tracker.set_parent_tags(self.parent_id, {ROUND_TAG: round_id, "final_trials": numbers,
-                                                      "final_state": "done"})
+        final["separation"] = separation(samples, final["trials"], self.config)
+        tags = {ROUND_TAG: round_id, "final_trials": numbers, "final_state": "done"}
+        if final["separation"] is not None:
+            tags["winner_separated"] = separation_text(final["separation"])
+        self.tracker.set_parent_tags(self.parent_id, tags)
         self._note(final)
         return final
 
@@ -112,6 +115,8 @@ class FinalRemeasure:
             self.slot.state = SlotState.IDLE
 
     def _note(self, final: dict[str, Any]) -> None:
+        if final.get("separation") is not None:
+            self.progress.note(f"winner: {separation_text(final['separation'])}")
         objective = self.config.objectives[0]
         for number, metrics in final["trials"].items():
             self.progress.note(
@@ -134,6 +139,11 @@ def best_metrics(config: SweepConfig, study: optuna.Study, tracker: Tracker, par
         out |= {f"search_best_{k}": v for k, v in searched.items() if k in names}
         out["search_best_trial"] = float(summary["best_trial"])
     winner = final_winner(final, config) if final else None
+    found = final.get("separation") if final else None
+    if found is not None:
+        out |= {"winner_margin": found["margin_median"], "winner_margin_min": found["margin_min"],
+                "winner_margin_max": found["margin_max"], "winner_separated": float(found["separated"])}
+        summary["winner_separation"] = found
     if winner is not None:
         number, metrics = winner
         out |= {f"best_{k}": v for k, v in metrics.items() if k in names or k.startswith("tokens_per_s_")}
@@ -167,6 +177,47 @@ def remeasured_metrics(pairs: list[tuple[dict, dict]]) -> dict[str, float] | Non
     out["baseline_tokens_per_s"] = _median([float(ar["tokens_per_s"]) for ar, _ in pairs])
     out["passes"] = float(len(pairs))
     return out
+
+
+def separation(samples: dict[int, dict[int, tuple[dict, dict]]], trials: dict[int, dict[str, float]],
+               config: SweepConfig) -> dict[str, Any] | None:
+    """Is the re-measured winner separated from the runner-up, and by how much? Pass by pass, the
+    winner's objective over the runner-up's; for a speed, each divided by the AR run just before it in
+    that pass, so drift between passes cancels. Separated when the winner is better in every pass (two
+    passes at least); the margins' median and range say by how much. None without a runner-up."""
+    if len(config.objectives) != 1 or len(trials) < 2:
+        return None
+    name, direction = config.objectives[0].metric, config.objectives[0].direction
+    ranked = sorted((n for n in trials if trials[n].get(name) is not None),
+                    key=lambda n: trials[n][name], reverse=direction == "maximize")
+    if len(ranked) < 2:
+        return None
+    winner, runner_up = ranked[:2]
+
+    def value(ar: dict, metrics: dict) -> float:
+        if name == "tokens_per_s":
+            return metrics["tokens_per_s"] / ar["tokens_per_s"]
+        return float(metrics[name])
+
+    passes = sorted(set(samples[winner]) & set(samples[runner_up]))
+    margins = []
+    for index in passes:
+        mine, theirs = value(*samples[winner][index]), value(*samples[runner_up][index])
+        ratio = mine / theirs if theirs else float("inf")
+        margins.append(ratio - 1 if direction == "maximize" else 1 - ratio)
+    if not margins:
+        return None
+    wins = sum(margin > 0 for margin in margins)
+    return {"winner": winner, "runner_up": runner_up, "passes": len(margins), "wins": wins,
+            "margin_median": _median(margins), "margin_min": min(margins), "margin_max": max(margins),
+            "separated": wins == len(margins) and len(margins) >= 2}
+
+
+def separation_text(found: dict[str, Any]) -> str:
+    verdict = "separated" if found["separated"] else "NOT separated"
+    return (f"trial {found['winner']} {verdict} from trial {found['runner_up']}: better in {found['wins']} of "
+            f"{found['passes']} passes, by {found['margin_median']:+.1%} ({found['margin_min']:+.1%}.."
+            f"{found['margin_max']:+.1%})")
 
 
 def final_winner(final: dict[str, Any], config: SweepConfig) -> tuple[int, dict[str, float]] | None:

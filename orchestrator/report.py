@@ -22,8 +22,10 @@ from workers.decoding.methods import all_knobs, entry
 from workers.errors import BadInputError
 
 PARAM_COLUMNS = tuple(knob.name for knob in all_knobs())  # every method's knobs, from the registry
-METRIC_COLUMNS = ("tokens_per_s", "tokens_per_s_median", "tokens_per_s_iqr", "tau", "speedup", "peak_memory_gib",
-                  "ttft_s", "tpot_s", "lossless_match", "baseline_tokens_per_s")
+METRIC_COLUMNS = ("tokens_per_s", "tokens_per_s_median", "tokens_per_s_iqr", "tokens_per_s_ci_low",
+                  "tokens_per_s_ci_high", "tau", "speedup",
+                  "peak_memory_gib", "ttft_s", "tpot_s", "lossless_match", "divergences_near_tie",
+                  "divergences_unexplained", "baseline_tokens_per_s")
 REMEASURED_COLUMNS = ("tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "tau", "speedup", "tpot_s",
                       "peak_memory_gib", "baseline_tokens_per_s", "passes")
 UNITS = {
@@ -117,6 +119,19 @@ def remeasured_from_mlflow(tracking_uri: str, experiment: str, study: str,
         row.update({name: run.data.metrics.get(name) for name in REMEASURED_COLUMNS})
         rows.append(row)
     return pd.DataFrame(rows).sort_values("trial").reset_index(drop=True)
+
+
+def parent_tags(tracking_uri: str, experiment: str, study_uid: str | None) -> dict[str, str]:
+    """The study's parent run's tags ({} when there is none); only reads."""
+    from orchestrator.tracking import read_only_client
+
+    client = read_only_client(tracking_uri)
+    found = client.get_experiment_by_name(experiment) if client is not None and study_uid else None
+    if found is None:
+        return {}
+    runs = client.search_runs([found.experiment_id],
+                              f"tags.sweep_study_uid = '{study_uid}' and tags.sweep_role = 'parent'", max_results=1)
+    return dict(runs[0].data.tags) if runs else {}
 
 
 def pareto_mask(frame: pd.DataFrame, objectives: list[tuple[str, str]]) -> pd.Series:
@@ -378,6 +393,10 @@ def main(argv: list[str] | None = None) -> int:
         for _, row in remeasured.iterrows():
             again.add_row(*[_cell(row.get(c)) for c in columns])
         console.print(again)
+        separated = parent_tags(config.mlflow.tracking_uri, config.mlflow.experiment, study_uid).get(
+            "winner_separated")
+        if separated:
+            console.print(f"winner: {separated}", highlight=False)
     console.print(BASELINE_TEXT, highlight=False)
     device = config.workers.device if config.workers.device != "auto" else (
         "cuda" if config.workers.gpus_per_worker > 0 else "cpu")

@@ -53,6 +53,7 @@ TRIAL_TAG = "optuna_trial"
 STATUS_TAG = "trial_status"
 ROLE_TAG = "sweep_role"
 MEMORY_KIND_TAG = "memory_kind"
+WARNINGS_TAG = "warnings"
 BASELINE_TAG = "baseline"
 BASELINE_HOW = "AR on each prompt just before the method, both warmed up, on the same actor"
 ROUND_TAG = "final_round"  # on the parent and on each re-measurement run: which re-measurement is current
@@ -394,6 +395,8 @@ class Tracker:
         tags = [RunTag(STATUS_TAG, result.status.value), RunTag(MEMORY_KIND_TAG, trace.kind)]
         if "baseline_tokens_per_s" in metrics:  # how the speedup's AR figure was measured
             tags.append(RunTag(BASELINE_TAG, BASELINE_HOW))
+        if result.warnings:
+            tags.append(RunTag(WARNINGS_TAG, " | ".join(result.warnings)[:5000]))
         for start in range(0, max(len(entries), 1), BATCH):
             self.client.log_batch(run_id, metrics=entries[start : start + BATCH], tags=tags if start == 0 else [])
         with tempfile.TemporaryDirectory() as tmp:

@@ -189,6 +189,8 @@ class TrialLoop:
             return
         if job.predicted is not None:
             result.metrics.update(job.predicted)
+        for warning in result.warnings:
+            self.progress.note(f"trial {job.trial_number}: {warning}")
         if job.pruning or result.status is TrialStatus.PRUNED:
             self._pruned(job, result)
             return

@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result.to_json()))
     else:
         _print_table(result)
+    for warning in result.warnings:
+        print(f"workers.bench: {warning}", file=sys.stderr)
     if result.status is not TrialStatus.OK:
         print(f"workers.bench: trial {result.status.value}: {result.error}", file=sys.stderr)
         return 1

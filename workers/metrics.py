@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 from collections import Counter
 from collections.abc import Sequence
@@ -44,6 +45,7 @@ def summarize(
         "baseline_tpot_s": None,
     }
     metrics |= spread(per_prompt_tokens_per_s(outputs))
+    metrics |= pooled_interval(outputs)
     if baseline is not None:
         base_tpot = mean_tpot(baseline)
         base_tokens, base_s = sum(len(b.token_ids) for b in baseline), sum(b.decode_s for b in baseline)
@@ -78,6 +80,26 @@ def spread(values: Sequence[float], name: str = "tokens_per_s") -> dict[str, flo
     if not values:
         return {f"{name}_median": None, f"{name}_iqr": None}
     return {f"{name}_median": quantile(values, 0.5), f"{name}_iqr": quantile(values, 0.75) - quantile(values, 0.25)}
+
+
+BOOTSTRAP_SAMPLES = 400
+
+
+def pooled_interval(outputs: Sequence[GenerationOutput], level: float = 0.95,
+                    seed: int = 0) -> dict[str, float | None]:
+    """``tokens_per_s_ci_low`` / ``_high``: a bootstrap interval of the pooled tokens/s over the prompts
+    (the prompts resampled with replacement, ``BOOTSTRAP_SAMPLES`` times, seeded): how much the figure
+    rests on which prompts were drawn. None with fewer than two prompts."""
+    pairs = [(len(o.token_ids), o.decode_s) for o in outputs if o.decode_s > 0]
+    if len(pairs) < 2:
+        return {"tokens_per_s_ci_low": None, "tokens_per_s_ci_high": None}
+    rng = random.Random(seed)
+    pooled = []
+    for _ in range(BOOTSTRAP_SAMPLES):
+        sample = rng.choices(pairs, k=len(pairs))
+        pooled.append(sum(t for t, _ in sample) / sum(s for _, s in sample))
+    tail = (1 - level) / 2
+    return {"tokens_per_s_ci_low": quantile(pooled, tail), "tokens_per_s_ci_high": quantile(pooled, 1 - tail)}
 
 
 def median_run(runs: Sequence[GenerationOutput]) -> GenerationOutput:

@@ -134,6 +134,7 @@ class TrialResult:
     memory_trace: MemoryTrace = field(default_factory=MemoryTrace)
     error: str | None = None
     wall_s: float = 0.0
+    warnings: list[str] = field(default_factory=list)  # what the user must see (the lossless audit's mismatch)
 
     def to_json(self) -> dict[str, Any]:
         """The one JSON shape of a result: the bench's ``--json`` output and MLflow's result.json."""
@@ -144,6 +145,7 @@ class TrialResult:
             "status": self.status.value,
             "error": self.error,
             "wall_s": self.wall_s,
+            "warnings": self.warnings,
             "metrics": self.metrics,
             "acceptance_histogram": {str(k): v for k, v in self.acceptance_histogram.items()},
             "memory": {

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from workers import costs as cost_model
+from workers.audit import audit, audit_metrics, unexplained_warning
 from workers.decoding import replay
 from workers.decoding.generation import (
     NULL_TIMER,
@@ -138,7 +139,7 @@ class Worker:
         others None, and all stop together (rank 0's decision is broadcast after each prompt)."""
         started = time.perf_counter()
         tracer = MemoryTracer(interval_ms=self.config.memory_interval_ms)
-        status, error, outputs, metrics, baseline = TrialStatus.OK, None, [], {}, None
+        status, error, outputs, metrics, baseline, warnings = TrialStatus.OK, None, [], {}, None, []
         try:
             with tracer:
                 if spec.fault == "oom":
@@ -150,8 +151,14 @@ class Worker:
                 prompts, gen = self._prepare(spec)
                 outputs, baseline = self._generate_all(spec, prompts, gen, on_prompt, lockstep=True)
                 state_bytes = self._state_bytes
-            metrics = summarize(outputs, baseline, greedy=gen.temperature < 1e-5)
+            greedy = gen.temperature < 1e-5
+            metrics = summarize(outputs, baseline, greedy=greedy)
             metrics |= per_category(spec.prompts, outputs, baseline)
+            if greedy and baseline is not None:  # why an output left AR's, where one did
+                divergences = audit(self.target, prompts, [o.token_ids for o in outputs],
+                                    [b.token_ids for b in baseline], self.model.get_input_embeddings().weight.dtype)
+                metrics |= audit_metrics(divergences)
+                warnings += [w for w in (unexplained_warning(divergences),) if w]
             if state_bytes is not None:  # hybrid targets: per-node linear-attention data held per round
                 metrics["tree_state_bytes"] = float(state_bytes)
         except torch.cuda.OutOfMemoryError as exc:
@@ -179,6 +186,7 @@ class Worker:
             memory_trace=trace,
             error=error,
             wall_s=time.perf_counter() - started,
+            warnings=warnings,
         )
 
     # -- internals ---------------------------------------------------------------------------------
