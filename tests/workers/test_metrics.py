@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from workers.decoding.generation import GenerationOutput
-from workers.metrics import acceptance_columns, median_run, quantile, spread, summarize
+from workers.metrics import acceptance_columns, median_run, pooled_interval, quantile, spread, summarize
 
 
 def _out(tokens: int, decode_s: float, lengths: list[int] | None = None) -> GenerationOutput:
@@ -48,3 +48,14 @@ def test_acceptance_columns_give_the_table_something_to_show():
     assert columns["accept_len_p90"] == pytest.approx(4.0)
     assert sum(v for k, v in columns.items() if k.startswith("accept_share")) == pytest.approx(1.0)
     assert acceptance_columns({}) == {}
+
+
+def test_the_bootstrap_interval_holds_the_pooled_speed_and_is_seeded():
+    outputs = [GenerationOutput(list(range(n)), [1] * n, {}, 0.01, n / speed)
+               for n, speed in ((40, 100.0), (40, 120.0), (40, 80.0), (40, 110.0))]
+    interval = pooled_interval(outputs)
+    pooled = summarize(outputs)["tokens_per_s"]
+    assert interval["tokens_per_s_ci_low"] <= pooled <= interval["tokens_per_s_ci_high"]
+    assert 80.0 <= interval["tokens_per_s_ci_low"] < interval["tokens_per_s_ci_high"] <= 120.0
+    assert pooled_interval(outputs) == interval  # the same resamples every time
+    assert pooled_interval(outputs[:1]) == {"tokens_per_s_ci_low": None, "tokens_per_s_ci_high": None}
