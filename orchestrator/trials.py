@@ -13,7 +13,7 @@ failures stop the sweep. With a pruner, results stream prompt by prompt and Optu
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import optuna
@@ -24,7 +24,7 @@ from optuna.trial import TrialState
 from orchestrator import recovery
 from orchestrator import study as studies
 from orchestrator.config import SweepConfig
-from orchestrator.pool import ACTOR_DEATH, Slot, SlotState
+from orchestrator.pool import ACTOR_DEATH, Slot, SlotState, replace_actor
 from orchestrator.progress import Progress
 from orchestrator.signals import StopSignals
 from orchestrator.tracking import Tracker
@@ -36,6 +36,9 @@ MAX_ATTEMPTS = 2  # a trial whose actor died is re-run once on the restarted act
 # Trials that FAIL one after another before the sweep stops: a setting-independent error (a bad
 # prompt, a broken model) fails every trial, and the sampler would ask for new ones forever.
 MAX_FAILURES_IN_A_ROW = 3
+# trial_timeout_s unset: a trial may run this many times the median finished trial (and at least the
+# floor); before any has finished, the first-trial limit (it also pays for loading and captures)
+TIMEOUT_MEDIANS, TIMEOUT_FLOOR_S, FIRST_TRIAL_TIMEOUT_S = 10, 600.0, 3600.0
 
 
 class SweepFailed(Exception):
@@ -98,6 +101,7 @@ class InFlight:
     predicted: dict[str, float] | None = None  # predicted_tokens_per_s etc. (sweeps that predict)
     pruning: bool = False  # the pruner said stop: the final result is told PRUNED
     last_step: int = 0
+    started: float = field(default_factory=time.monotonic)  # for trial_timeout_s
 
 
 class TrialLoop:
@@ -128,6 +132,9 @@ class TrialLoop:
                 if not self.signals.requested:
                     with self.signals.critical():
                         self._collect(ref)
+            if not self.signals.requested:
+                with self.signals.critical():
+                    self._stop_overdue()
             if self.failures_in_a_row >= MAX_FAILURES_IN_A_ROW:
                 self.close("sweep stopped: trials keep failing")
                 self.tracker.finish_parent(self.parent_id, "FAILED", studies.summary(self.study, self.config))
@@ -140,6 +147,36 @@ class TrialLoop:
         with self.signals.critical():
             recovery.close_inflight(self.inflight.values(), self.study, self.tracker, reason)
             self.inflight.clear()
+
+    def timeout_s(self) -> float:
+        """How long a trial may run: ``trial_timeout_s``, else ``TIMEOUT_MEDIANS`` x the median finished
+        trial (at least ``TIMEOUT_FLOOR_S``), or ``FIRST_TRIAL_TIMEOUT_S`` before any has finished."""
+        if self.config.trial_timeout_s is not None:
+            return self.config.trial_timeout_s
+        median = studies.median_trial_seconds(self.study)
+        return FIRST_TRIAL_TIMEOUT_S if median is None else max(TIMEOUT_FLOOR_S, TIMEOUT_MEDIANS * median)
+
+    def _stop_overdue(self) -> None:
+        """A trial past its time hangs (a stopped process, a collective waiting forever): its actor (a
+        tensor-parallel worker's whole group) is replaced, and the trial runs once more, then fails."""
+        limit, now = self.timeout_s(), time.monotonic()
+        for ref, job in list(self.inflight.items()):
+            if now - job.started < limit:
+                continue
+            del self.inflight[ref]
+            self.progress.note(f"trial {job.trial_number}: still running after {limit:.0f} s (trial_timeout_s); "
+                               f"its actor is stopped and replaced")
+            self.tracker.kill(job.run_id, f"ran past trial_timeout_s ({limit:.0f} s)")
+            job.slot.state = SlotState.RESTARTING
+            self.progress.update(self.study, self.slots, studies.count_complete(self.study),
+                                 studies.target_complete(self.config))
+            replace_actor(self.config, job.slot)
+            if job.attempt < MAX_ATTEMPTS:
+                self._submit(job.slot, job.trial_number, job.params, attempt=job.attempt + 1)
+            else:
+                self.failures_in_a_row += 1
+                self.last_error = f"trial {job.trial_number} ran past trial_timeout_s twice"
+                self.study.tell(job.trial_number, state=TrialState.FAIL, skip_if_finished=True)
 
     def _has_work(self) -> bool:
         if self.config.sampler.type not in ("grid", "predicted"):
