@@ -268,12 +268,13 @@ class Worker:
         return tables
 
     def measure_costs(self, spec: TrialSpec, settings: list[MethodParams]) -> dict[str, Any]:
-        """This actor's ``CostTable`` (as a dict) for ``settings`` (parameter objects, any methods),
-        timed at a mid-generation context length; calibrated on the first prompt of ``spec``."""
+        """This actor's ``CostTable`` (as a dict) for ``settings`` (parameter objects, any methods), its
+        passes timed where the trials' generations start and end (the mean prompt, then max_new_tokens
+        on); calibrated on the first prompt of ``spec``."""
         prompts, gen = self._prepare(spec)
         mean_prompt = sum(p.shape[1] for p in prompts) // len(prompts)
         table = cost_model.measure_costs(
-            self.target, self.drafter, settings, mean_prompt + gen.max_new_tokens // 2,
+            self.target, self.drafter, settings, (mean_prompt, mean_prompt + gen.max_new_tokens),
             calibration_prompt=prompts[0], calibration=gen,
         )
         return table.to_dict()

@@ -50,6 +50,7 @@ class ReplayTable:
     max_new_tokens: int
     stop_token_ids: tuple[int, ...]
     vocab_size: int
+    prompt_length: int = 0  # the prompt's tokens (the cost model prices a round at its context length)
     # (g, max_depth, branching, ceiling) -> node indices of the AR path in the ceiling-budget tree
     _paths: dict[tuple, list[int]] = field(default_factory=dict, repr=False)
 
@@ -64,12 +65,14 @@ class ReplayTable:
     def to_dict(self) -> dict:
         return {"tokens": self.tokens, "top_log_probs": self.top_log_probs, "top_ids": self.top_ids,
                 "chain_matches": self.chain_matches, "max_new_tokens": self.max_new_tokens,
-                "stop_token_ids": list(self.stop_token_ids), "vocab_size": self.vocab_size}
+                "stop_token_ids": list(self.stop_token_ids), "vocab_size": self.vocab_size,
+                "prompt_length": self.prompt_length}
 
     @classmethod
     def from_dict(cls, data: dict) -> ReplayTable:
         return cls(data["tokens"], data["top_log_probs"], data["top_ids"], data["chain_matches"],
-                   int(data["max_new_tokens"]), tuple(data["stop_token_ids"]), int(data["vocab_size"]))
+                   int(data["max_new_tokens"]), tuple(data["stop_token_ids"]), int(data["vocab_size"]),
+                   int(data.get("prompt_length", 0)))
 
 
 @torch.inference_mode()
@@ -130,6 +133,7 @@ def record(target, drafter, prompt_ids: torch.Tensor, config: GenerationConfig, 
         max_new_tokens=config.max_new_tokens,
         stop_token_ids=tuple(config.stop_token_ids),
         vocab_size=int(vocab),
+        prompt_length=int(prompt_ids.shape[1]),
     )
 
 
