@@ -13,7 +13,15 @@ import torch
 from workers.decoding import ar, ddtree, dflash
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.tree import TreeParams
-from workers.demo_pair import HELD_OUT, QUICK, DemoRecipe, build, is_current, main, stdlib_files
+from workers.demo_pair import (
+    HELD_OUT,
+    QUICK,
+    DemoRecipe,
+    build,
+    is_current,
+    main,
+    stdlib_files,
+)
 from workers.drafter_training import block_hidden
 from workers.models.loading import Placement, load_drafter, load_target, load_tokenizer
 from workers.models.static_target import make_target
@@ -41,6 +49,7 @@ def test_held_out_modules_are_never_trained_on():
 
 def test_pair_loads_through_the_project_loaders_and_greedy_ddtree_equals_ar(pair):
     assert sorted(p.name for p in pair.iterdir()) == ["drafter", "prompts.jsonl", "recipe.json", "target"]
+    assert model_dtypes(pair) == {torch.float16}  # the shipped layout: float16 on disk
     model = load_target(str(pair / "target"), dtype="float32", placement=Placement(device="cpu"))
     tokenizer = load_tokenizer(str(pair / "target"))
     assert tokenizer is not None and model.config.model_type == "qwen3"
@@ -94,3 +103,24 @@ def test_an_up_to_date_folder_is_kept_and_a_changed_recipe_is_not(pair, capsys, 
     assert "up to date" in capsys.readouterr().out
     assert (pair / "recipe.json").stat().st_mtime_ns == mtime
     assert json.loads((pair / "recipe.json").read_text())["drafter_steps"] == TEST_RECIPE.drafter_steps
+
+
+def test_the_recipe_key_leaves_out_what_built_the_pair(pair, tmp_path):
+    """recipe.json records the Python, torch and threads of the build as information: a pair built
+    elsewhere is still current (the shipped pair serves every Python), a changed recipe field is not."""
+    recorded = json.loads((pair / "recipe.json").read_text())
+    assert set(recorded["built_with"]) >= {"python", "torch", "threads"}
+    assert "python" not in TEST_RECIPE.key()
+    recorded["built_with"] = {"python": "3.0.0", "torch": "0.1", "threads": 64}
+    (tmp_path / "recipe.json").write_text(json.dumps(recorded))
+    assert is_current(tmp_path, TEST_RECIPE)
+    recorded["seed"] = 1
+    (tmp_path / "recipe.json").write_text(json.dumps(recorded))
+    assert not is_current(tmp_path, TEST_RECIPE)
+
+
+def model_dtypes(folder) -> set[torch.dtype]:
+    from safetensors.torch import load_file
+
+    return {t.dtype for name in ("target", "drafter") for t in load_file(folder / name / "model.safetensors").values()}
+
