@@ -336,8 +336,11 @@ def main(argv: list[str] | None = None) -> int:
                 name = objectives[0][0]
                 console.print(f"  in the search it measured {name} {_cell(searched.iloc[0][name])}; "
                               f"re-measured range {_cell(row['tokens_per_s_min'])}..{_cell(row['tokens_per_s_max'])} "
-                              f"tokens/s, speedup {_cell(row['speedup'])} against AR at "
+                              f"tokens/s, tau {_cell(row.get('tau'))}, speedup {_cell(row['speedup'])} against AR at "
                               f"{_cell(row['baseline_tokens_per_s'])} tokens/s", highlight=False)
+        elif pd.notna(row.get("baseline_tokens_per_s")):  # the number the setting has to beat, beside it
+            console.print(f"  tau {_cell(row.get('tau'))}, speedup {_cell(row.get('speedup'))} against AR at "
+                          f"{_cell(row['baseline_tokens_per_s'])} tokens/s", highlight=False)
     for line in skipped:
         console.print(line, highlight=False)
     for line in prediction_lines(frame):
