@@ -1,9 +1,8 @@
 # Set-up and the two everyday commands. Everything installs into .venv on first use.
-#   make demo   - the main job: a DDTree sweep on the offline demo pair (CPU, a few minutes), then its report;
-#                 the first run also trains the pair on this Python's own standard library (longer; README
-#                 "The demo pair"), cached in models/demo
+#   make demo   - the main job: a DDTree sweep on the shipped demo pair (data/demo_pair; CPU, a few minutes,
+#                 nothing to train), then its report
 #   make test   - the test suite (CPU; the README's test command)
-#   make test-fast - the unit tests without the real subprocess sweeps (a few minutes)
+#   make test-fast - the unit tests without the real subprocess sweeps
 #   make test-gpu - on a CUDA machine (TORCH=torch): the GPU-marked tests (each Triton kernel against its
 #                 torch form, graphs, splits) and the kernels' resource check for this and other GPUs
 #   make test-kernels - no GPU needed (CI runs it): the Triton kernels against their torch forms through
@@ -11,6 +10,7 @@
 #                 installs triton 3.6.0 into .triton (beside the CPU torch, which has none)
 #   make lint   - ruff: pyflakes, import order, line length (CI runs it before the tests)
 # TORCH picks the torch requirement: the default is the CPU build; on a CUDA machine use TORCH=torch.
+# README.md gives each target's time on a 2-core machine.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
@@ -19,18 +19,28 @@ KERNELS := .triton
 
 .PHONY: install demo test test-fast test-gpu test-kernels lint
 
+# pip stays quiet, so each step says what it does (a few minutes on a fresh machine). --no-compile:
+# pip would byte-compile every installed module (torch, ray, mlflow: a large share of the install's
+# time); Python compiles the ones a run imports, once, on first import.
+PIP := $(PY) -m pip install --quiet --no-compile
 $(VENV)/.installed: pyproject.toml
+	@echo "make: creating $(VENV) with $(PYTHON) ..."
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[test]"
+	@echo "make: upgrading pip ..."
+	$(PIP) --upgrade pip
+	@echo "make: installing $(TORCH) (the CPU build unless TORCH says otherwise) ..."
+	$(PIP) "$(TORCH)"
+	@echo "make: installing the project and its test tools (ray, optuna, mlflow, transformers, pytest, ...) ..."
+	$(PIP) -e ".[test]"
 	touch $@
+	@echo "make: $(VENV) is ready"
 
 install: $(VENV)/.installed
 
 demo: install
-	$(PY) -m workers.demo_pair models/demo
+	@echo "make: running sweeps/demo.yaml on the shipped demo pair (data/demo_pair) ..."
 	$(PY) -m orchestrator.sweep sweeps/demo.yaml
+	@echo "make: the report (python -m orchestrator.report sweeps/demo.yaml) ..."
 	$(PY) -m orchestrator.report sweeps/demo.yaml
 
 test: install
@@ -44,7 +54,7 @@ test-gpu: install
 	$(PY) -m pytest -q tests/workers/models/test_kernel_resources.py
 
 $(KERNELS)/.installed: $(VENV)/.installed
-	$(PY) -m pip install --quiet --upgrade --target $(KERNELS) "triton==3.6.0"
+	$(PIP) --upgrade --target $(KERNELS) "triton==3.6.0"
 	touch $@
 
 test-kernels: $(KERNELS)/.installed

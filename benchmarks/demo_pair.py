@@ -1,7 +1,8 @@
 """Acceptance and CPU speed of the demo pair on its held-out prompts (prints numbers; asserts nothing).
 
-    python -m workers.demo_pair models/demo          # once: trains the pair
-    python benchmarks/demo_pair.py [--folder models/demo] [--limit 8] [--max-new-tokens 64] [--budgets 16,64,256]
+    python benchmarks/demo_pair.py [--folder data/demo_pair] [--limit 8] [--max-new-tokens 64] [--budgets 16,64,256]
+
+The default folder is the pair the repository ships (``workers.demo_pair`` rebuilds it).
 
 Loads the pair through the project's own loading code (load_target, load_tokenizer, load_drafter),
 encodes the prompts without a chat template, and runs greedy AR, DFlash (full chain) and DDTree at
@@ -21,6 +22,7 @@ from rich.table import Table
 from workers.decoding import ar, ddtree, dflash
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import DFlashParams, TreeParams
+from workers.demo_pair import SHIPPED
 from workers.metrics import summarize
 from workers.models.loading import Placement, load_drafter, load_target, load_tokenizer
 from workers.models.static_target import make_target
@@ -29,7 +31,7 @@ from workers.prompts import ChatFormat, encode, load_prompts, stop_token_ids
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--folder", type=Path, default=Path("models/demo"))
+    parser.add_argument("--folder", type=Path, default=SHIPPED)
     parser.add_argument("--limit", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--budgets", default="16,64,256")

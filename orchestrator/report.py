@@ -417,8 +417,11 @@ def main(argv: list[str] | None = None) -> int:
                 name = objectives[0][0]
                 console.print(f"  in the search it measured {name} {_cell(searched.iloc[0][name])}; "
                               f"re-measured range {_cell(row['tokens_per_s_min'])}..{_cell(row['tokens_per_s_max'])} "
-                              f"tokens/s, speedup {_cell(row['speedup'])} against AR at "
+                              f"tokens/s, tau {_cell(row.get('tau'))}, speedup {_cell(row['speedup'])} against AR at "
                               f"{_cell(row['baseline_tokens_per_s'])} tokens/s", highlight=False)
+        elif pd.notna(row.get("baseline_tokens_per_s")):  # the number the setting has to beat, beside it
+            console.print(f"  tau {_cell(row.get('tau'))}, speedup {_cell(row.get('speedup'))} against AR at "
+                          f"{_cell(row['baseline_tokens_per_s'])} tokens/s", highlight=False)
     if config.several or baselines:
         for line in method_lines(frame, remeasured, objectives, baselines):
             console.print(line, highlight=False)

@@ -1,5 +1,7 @@
 """The demo pair: a small Qwen3 target trained on the standard library's own Python source, and a
-DFlash drafter trained on that target's hidden states and greedy outputs. ``python -m workers.demo_pair models/demo``.
+DFlash drafter trained on that target's hidden states and greedy outputs. The repository ships one
+(``data/demo_pair``, what ``make demo`` runs); ``python -m workers.demo_pair data/demo_pair --force``
+rebuilds it.
 
 Every machine with Python has the corpus offline: the ``.py`` files under ``sysconfig.get_paths()["stdlib"]``
 (tests, idlelib and installed packages left out). A few modules (``HELD_OUT``) are kept out of
@@ -13,35 +15,39 @@ Steps, each printing a line every few seconds:
      windows of the corpus, saved as a normal checkpoint folder (config + safetensors + tokenizer);
   3. the drafter (``workers.models.drafter.DFlashDrafter``) trained on the target's own greedy
      continuations of corpus windows and the taps of those sequences (``workers.drafter_training``).
-Writes ``FOLDER/{target,drafter,prompts.jsonl}`` and, last, ``FOLDER/recipe.json``: the cache key.
-A folder whose ``recipe.json`` matches the recipe and this Python's version is left as it is, so
-``make demo`` trains once; any other state is rebuilt in a temporary folder and swapped in at the
-end (an interrupted run leaves the old folder or none, never half a pair).
+Weights are stored in ``weights_dtype`` (float16: small enough to ship in git); the target is rounded
+to it before the drafter's data are made, so the drafter learns the target that is saved.
+Writes ``FOLDER/{target,drafter,prompts.jsonl}`` and, last, ``FOLDER/recipe.json``: the recipe (the
+cache key) and, as information only, what it was built with (Python, torch, threads). A folder whose
+recipe matches is left as it is, whatever Python built it; any other state is rebuilt in a temporary
+folder and swapped in at the end (an interrupted run leaves the old folder or none, never half a pair).
+The corpus is this Python's stdlib, so a bit-for-bit rebuild needs the same Python, torch and threads.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import random
 import shutil
-import sys
 import sysconfig
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-RECIPE_VERSION = 1  # bump when the code below changes what a recipe produces
+RECIPE_VERSION = 2  # bump when the code below changes what a recipe produces
 EOS, MASK = "<|endoftext|>", "<|mask|>"
 # stdlib modules never trained on; the held-out prompts come from them (all exist in Python 3.9+)
 HELD_OUT = ("textwrap.py", "shlex.py", "fractions.py", "calendar.py", "difflib.py", "heapq.py", "bisect.py",
             "string.py")
 SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__", "turtledemo"}
+SHIPPED = Path(__file__).resolve().parents[1] / "data" / "demo_pair"  # the pair in the repository
 
 
 @dataclass(frozen=True)
 class DemoRecipe:
-    """Everything that decides the pair; its JSON (with the Python version) is the cache key."""
+    """Everything that decides the pair; its JSON is the cache key."""
 
     # tokenizer and corpus
     vocab_size: int = 512  # BPE vocabulary, the two special tokens included
@@ -69,10 +75,22 @@ class DemoRecipe:
     anchors_per_sequence: int = 16  # blocks per sequence per step
     loss_gamma: float = 7.0  # block position k weighted exp(-(k-1)/gamma), as DFlash at b=16
     seed: int = 0
+    weights_dtype: str = "float16"  # as saved; training runs in float32
 
     def key(self) -> dict:
-        version = f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
-        return {"recipe_version": RECIPE_VERSION, "python": version, **asdict(self)}
+        return {"recipe_version": RECIPE_VERSION, **asdict(self)}
+
+
+def built_with(threads: int) -> dict:
+    """What a build ran on: information beside the key, since another Python or torch still builds a
+    valid pair (not the same bits: the corpus is that Python's stdlib)."""
+    import tokenizers
+    import torch
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
+            "threads": threads, "machine": platform.machine()}
 
 
 # a few seconds of training end to end: the quick test of the whole path
@@ -203,16 +221,23 @@ def train_target(recipe: DemoRecipe, stream, config: dict, device: str = "cpu"):
 
 # --- building the folder ------------------------------------------------------------------------
 
-def is_current(folder: Path, recipe: DemoRecipe) -> bool:
-    marker = folder / "recipe.json"
+def read_recipe(folder: Path) -> dict | None:
+    """The key a folder's ``recipe.json`` records (``built_with`` left out), or None without one."""
     try:
-        return json.loads(marker.read_text()) == json.loads(json.dumps(recipe.key()))
+        recorded = json.loads((folder / "recipe.json").read_text())
     except (OSError, json.JSONDecodeError):
-        return False
+        return None
+    return {k: v for k, v in recorded.items() if k != "built_with"} if isinstance(recorded, dict) else None
 
 
-def build(folder: Path, recipe: DemoRecipe, stdlib: Path | None = None, device: str = "cpu") -> dict:
-    """Train and write the pair into ``folder`` (through a temporary sibling folder); returns timings."""
+def is_current(folder: Path, recipe: DemoRecipe) -> bool:
+    return read_recipe(folder) == json.loads(json.dumps(recipe.key()))
+
+
+def build(folder: Path, recipe: DemoRecipe, stdlib: Path | None = None, device: str = "cpu",
+          threads: int | None = None) -> dict:
+    """Train and write the pair into ``folder`` (through a temporary sibling folder); returns timings.
+    ``threads`` (default: torch's current count) is only recorded in ``recipe.json``."""
     import torch
 
     from workers.drafter_training import DrafterData, drafter_config, train_drafter
@@ -244,9 +269,10 @@ def build(folder: Path, recipe: DemoRecipe, stdlib: Path | None = None, device: 
 
     config = target_config(recipe, tokenizer)
     model, times["target_s"] = train_target(recipe, stream, config, device)
+    saved = getattr(torch, recipe.weights_dtype)
     target_dir = work / "target"
-    model.to("cpu").save_pretrained(target_dir)
-    model.to(device)
+    model.to("cpu", saved).save_pretrained(target_dir)
+    model.to(device, torch.float32)  # the saved weights, rounded, from here on: the drafter learns them
     tokenizer.save_pretrained(target_dir)
 
     raw = drafter_config(config, recipe, mask_token_id=tokenizer.convert_tokens_to_ids(MASK))
@@ -255,12 +281,13 @@ def build(folder: Path, recipe: DemoRecipe, stdlib: Path | None = None, device: 
     data = DrafterData.from_target(model, stream.to(device), recipe)
     times["drafter_data_s"] = time.monotonic() - began
     times["drafter_s"] = train_drafter(drafter, model, data, recipe)
-    save_drafter(drafter.eval().to("cpu"), work / "drafter", raw)
+    save_drafter(drafter.eval().to("cpu", saved), work / "drafter", raw)
 
     with (work / "prompts.jsonl").open("w") as handle:
         for record in held_out_prompts(held_files):
             handle.write(json.dumps(record) + "\n")
-    (work / "recipe.json").write_text(json.dumps(recipe.key(), indent=2) + "\n")  # last: the pair is complete
+    record = recipe.key() | {"built_with": built_with(torch.get_num_threads() if threads is None else threads)}
+    (work / "recipe.json").write_text(json.dumps(record, indent=2) + "\n")  # last: the pair is complete
     shutil.rmtree(folder, ignore_errors=True)
     work.rename(folder)
     return times
@@ -282,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    times = build(args.folder, recipe)
+    times = build(args.folder, recipe, threads=args.threads)
     total = sum(times.values())
     print(f"wrote {args.folder}/target, drafter, prompts.jsonl in {total:.0f}s "
           f"({', '.join(f'{k[:-2]} {v:.0f}s' for k, v in times.items())})", flush=True)

@@ -43,6 +43,7 @@ def test_report_cli_writes_table_and_plots(finished_sweep, tmp_path):
                  "optuna_param_importances.png", "optuna_parallel_coordinate.png"):
         assert (out / name).stat().st_size > 1000, name
     assert "baseline: AR" in proc.stdout
+    assert proc.stdout.count("against AR at") == proc.stdout.count("Pareto front: trial")  # AR beside each best
 
 
 def test_report_before_any_sweep_is_a_clear_error(tiny_dir, tmp_path):
