@@ -2,7 +2,8 @@
 #   make demo   - the main job: a DDTree sweep on the shipped demo pair (data/demo_pair; CPU, a few minutes,
 #                 nothing to train), then its report
 #   make test   - the test suite (CPU; the README's test command)
-#   make test-fast - the unit tests without the real subprocess sweeps
+#   make test-fast - the tests without whole sweeps (sweep) and long ones (slow: CLIs in subprocesses, Ray
+#                 actors, process groups, the full exactness matrix); make test runs everything
 #   make test-gpu - on a CUDA machine (TORCH=torch): the GPU-marked tests (each Triton kernel against its
 #                 torch form, graphs, splits) and the kernels' resource check for this and other GPUs
 #   make test-kernels - no GPU needed (CI runs it): the Triton kernels against their torch forms through
@@ -47,7 +48,7 @@ test: install
 	$(PY) -m pytest -q
 
 test-fast: install
-	$(PY) -m pytest -q -m "not sweep"
+	$(PY) -m pytest -q -m "not sweep and not slow"
 
 test-gpu: install
 	$(PY) -m pytest -q -m gpu tests/workers

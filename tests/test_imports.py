@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("workers", "orchestrator")
 
@@ -70,6 +72,7 @@ def test_the_circle_check_sees_a_circle_through_a_function(tmp_path):
     assert circles(import_graph(tmp_path)) == [["workers.a", "workers.b", "workers.a"]]
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_the_driver_side_loads_without_torch_or_transformers():
     code = ("import sys\nimport orchestrator.sweep, orchestrator.driver, orchestrator.report, orchestrator.config\n"
             "import orchestrator.tracking, orchestrator.study, orchestrator.pool, orchestrator.tp_group\n"

@@ -442,6 +442,7 @@ CLI_CASES = [
 @pytest.mark.parametrize(
     ("case_id", "flag"), [pytest.param(c, f, id=f"{c}{f or ''}") for c, f in CLI_CASES]
 )
+@pytest.mark.slow  # the sweep CLI in a subprocess
 def test_cli_bad_sweep_exits_2_with_one_line(case_id, flag, tiny_dir, tmp_path):
     case = BY_ID[case_id]
     path = case.make(tmp_path, tiny_dir)
@@ -463,6 +464,7 @@ def test_cli_bad_sweep_exits_2_with_one_line(case_id, flag, tiny_dir, tmp_path):
 # -- 3. --dry-run and --help -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the sweep CLI in a subprocess
 def test_cli_dry_run_prints_the_plan_and_creates_nothing(tmp_path):
     root = tmp_path.resolve()
     (root / "data" / "prompts").mkdir(parents=True)
@@ -502,6 +504,7 @@ def test_dry_run_in_process_on_the_tiny_sweep(tiny_dir, tmp_path, workdir, capsy
     assert_nothing_created(tmp_path, workdir)
 
 
+@pytest.mark.slow  # the sweep CLI in a subprocess
 def test_cli_help_exits_0(tmp_path):
     result = run_sweep(Path("--help"), cwd=tmp_path, timeout=120)  # run_sweep's first argument is argv[1]
     assert result.returncode == 0, result.stderr

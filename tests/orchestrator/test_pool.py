@@ -42,6 +42,8 @@ from workers.errors import BadInputError
 from workers.prompts import load_prompts
 from workers.wire import TrialResult, TrialSpec, TrialStatus
 
+pytestmark = pytest.mark.slow  # real Ray actors loading models
+
 BLOCK_SIZE = 8  # the tiny drafter's block (TinyShape.block_size)
 GET_TIMEOUT = 180.0  # seconds for any single ray.get: actors load models on 2 shared cores
 

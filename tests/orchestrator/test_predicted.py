@@ -55,6 +55,7 @@ def _parent(client: MlflowClient):
     return client.search_runs([experiment.experiment_id], "tags.sweep_role = 'parent'", max_results=10)[0]
 
 
+@pytest.mark.sweep
 def test_predicted_sweep_runs_the_predicted_best_and_logs_predicted_vs_measured(small_dir, tmp_path, capsys):
     runs = tmp_path / "runs"
     config = sweep_dict(
@@ -117,6 +118,7 @@ def _first_prompt_tau(small_dir: Path, budget: int) -> float:
     return sum(lengths) / len(lengths)
 
 
+@pytest.mark.sweep
 def test_pruned_trials_end_pruned_and_survive_resume(small_dir, tmp_path):
     good, bad = 16, 1
     assert _first_prompt_tau(small_dir, bad) < _first_prompt_tau(small_dir, good)  # so the median pruner must fire

@@ -18,6 +18,8 @@ from optuna.trial import TrialState
 
 from tests.orchestrator.conftest import ROOT, run_sweep, sweep_dict, sweep_env, write_sweep
 
+pytestmark = pytest.mark.sweep  # one recorded sweep in a subprocess, read back
+
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 N_TRIALS, TOP_K, PASSES = 4, 2, 2
 

@@ -18,6 +18,8 @@ from optuna.trial import TrialState
 from tests.orchestrator.conftest import run_sweep, start_sweep, sweep_dict, write_sweep
 from tests.orchestrator.test_resume import assert_consistent
 
+pytestmark = pytest.mark.sweep  # whole sweeps in subprocesses, stopped by signals
+
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 

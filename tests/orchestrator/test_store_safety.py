@@ -22,6 +22,8 @@ from orchestrator.study import read_only_storage
 from tests.orchestrator.conftest import ROOT, run_sweep, start_sweep, sweep_dict, sweep_env, write_sweep
 from tests.orchestrator.test_resume import _children, _parents, assert_consistent
 
+pytestmark = pytest.mark.sweep  # whole sweeps (and dry runs) in subprocesses
+
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 

@@ -34,6 +34,8 @@ from workers.errors import BadInputError
 from workers.prompts import load_prompts
 from workers.wire import KIND_RSS, MemorySample, MemoryTrace, PromptResult, TrialResult, TrialSpec, TrialStatus
 
+pytestmark = pytest.mark.slow  # real Ray actors and process groups
+
 GET_TIMEOUT = 180.0  # seconds for any single ray.get: actors load models on 2 shared cores
 TP2 = {"count": 1, "gpus_per_worker": 0, "parallel": "tensor", "ranks": 2, "join_timeout_s": 60}
 

@@ -12,6 +12,8 @@ import pytest
 
 from workers.tiny import write_prompts
 
+pytestmark = pytest.mark.slow  # the bench CLI in subprocesses
+
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = os.environ | {"HF_HUB_OFFLINE": "1"}

@@ -81,6 +81,7 @@ def test_prediction_counts_the_real_rounds(tiny_small_vocab, costs, family):
 BLOCK_HEAVY = "import sys\nfor name in ('ray', 'optuna', 'mlflow', 'pydantic'):\n    sys.modules[name] = None\n"
 
 
+@pytest.mark.slow  # the benchmark in a subprocess
 def test_benchmark_runs_without_ray_optuna_mlflow_pydantic(tmp_path):
     script = BLOCK_HEAVY + (
         "import runpy\nsys.argv = ['predict_vs_measure.py', '--limit', '1', '--max-new-tokens', '10', "

@@ -186,6 +186,7 @@ def test_worker_reports_metrics_per_category(chat_target):
     assert result.metrics["lossless_match"] == 1.0
 
 
+@pytest.mark.slow  # the bench CLI in a subprocess
 def test_bench_cli_with_a_local_dataset_and_stop_override(chat_target, tmp_path):
     import subprocess
     import sys

@@ -29,6 +29,8 @@ from safetensors.torch import load_file, save_file
 from workers.models.loading import Placement, load_drafter, load_target
 from workers.tiny import TinyShape, tiny_drafter_config, tiny_target_config
 
+pytestmark = pytest.mark.slow  # the bench CLI and sweep CLIs in subprocesses
+
 ROOT = Path(__file__).resolve().parents[2]
 SHAPE = TinyShape(vocab_size=64, block_size=6, arch="qwen3_5", drafter_layer_types=("sliding_attention",
                   "full_attention"), drafter_window=8)

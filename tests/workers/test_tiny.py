@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "qwen3_next"])
+@pytest.mark.slow  # the CLI in a subprocess
 def test_tiny_cli_writes_models_and_distills_the_drafter(tmp_path, arch):
     folder = tmp_path / arch
     proc = subprocess.run(
@@ -29,6 +30,7 @@ def test_tiny_cli_writes_models_and_distills_the_drafter(tmp_path, arch):
     assert (folder / "prompts.jsonl").read_text().count("\n") == 8
 
 
+@pytest.mark.slow  # the CLI in a subprocess
 def test_distillation_reports_progress(tmp_path):
     """The first `make demo` spends minutes training the drafter: the CLI shows a bar for it, and
     distill_drafter reports every sequence and step to its callback."""

@@ -198,7 +198,11 @@ def test_ar_prefixes_and_unit_rounds(request, name):
 
 # --- DFlash ----------------------------------------------------------------------------------------
 
-DFLASH_CASES = [(name, n) for name in FIXTURES for n in (None, *range(1, BLOCK[name]))]
+# The fast slice (``make test-fast``): every fixture at the default chain and at one and three draft
+# tokens; the full matrix (every chain length) runs with the slow tests.
+DFLASH_FAST = (None, 1, 3)
+DFLASH_CASES = [pytest.param(name, n, marks=() if n in DFLASH_FAST else pytest.mark.slow)
+                for name in FIXTURES for n in (None, *range(1, BLOCK[name]))]
 
 
 @pytest.mark.parametrize(("name", "num_draft"), DFLASH_CASES)
@@ -217,6 +221,11 @@ def test_dflash_greedy_equals_ar(request, name, num_draft):
 # --- DDTree ----------------------------------------------------------------------------------------
 
 
+# The fast slice: per fixture, budgets 1, 5 and 64 at the default depth and at depth 2 (every branching
+# comes round with them); the full matrix (every budget at every depth) runs with the slow tests.
+DDTREE_FAST = ({1, 5, 64}, {None, 2})
+
+
 def _ddtree_cases():
     """budget x max_depth per fixture; branching cycles so every (budget, branching) and
     (max_depth, branching) pair also occurs."""
@@ -227,7 +236,9 @@ def _ddtree_cases():
             for j, depth in enumerate(depths):
                 branching = BRANCHINGS[(i + j) % len(BRANCHINGS)]
                 case_id = f"{name}-B{budget}-D{depth}-K{branching}"
-                cases.append(pytest.param(name, budget, depth, branching, id=case_id))
+                fast = budget in DDTREE_FAST[0] and depth in DDTREE_FAST[1]
+                cases.append(pytest.param(name, budget, depth, branching, id=case_id,
+                                          marks=() if fast else pytest.mark.slow))
     return cases
 
 

@@ -24,7 +24,7 @@ from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import DFlashParams, TreeParams
 from workers.seam import VerifyOutput
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]  # thousands of sampled runs
 
 PROMPT = (4, 4, 1, 3, 5, 5)  # a prompt whose 3-token distribution is spread out (entropy ~4.7 nats at T=1)
 NEW_TOKENS = 3

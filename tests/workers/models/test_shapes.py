@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from workers.models.shapes import TARGETS, drafter_config, target_config
@@ -47,6 +48,7 @@ def bench(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "workers.bench", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # the bench CLI in subprocesses
 def test_bench_runs_random_weight_shapes_without_checkpoints():
     for shape in ("qwen3-mini", "qwen3.6-mini"):
         proc = bench("--target", f"random:{shape}", "--drafter", f"random:{shape}", "--method", "ddtree",

@@ -128,6 +128,7 @@ def check_group(outcomes, pairs, references: dict[str, dict[str, list[list[int]]
 
 
 # -- TP=2 on the conftest models; TP=4 on wider ones ---------------------------------------------------
+@pytest.mark.slow  # local process groups
 def test_tp2_equals_one_process(tiny, tiny_hybrid, tiny_next):
     fixtures = {"qwen3": tiny, "qwen3_5": tiny_hybrid, "qwen3_next": tiny_next}
     pairs = [(name, str(m.target_dir), str(m.drafter_dir), m.shape.vocab_size) for name, m in fixtures.items()]
@@ -147,6 +148,7 @@ def test_tp2_equals_one_process(tiny, tiny_hybrid, tiny_next):
         assert "peak_memory_gib" in worker["metrics"]  # every rank returns its own memory trace
 
 
+@pytest.mark.slow  # local process groups
 def test_tp4_equals_one_process(tmp_path):
     pairs, references = [], {}
     for arch in ("qwen3_5", "qwen3_next"):
@@ -235,6 +237,7 @@ def _die_or_reduce(tp: TPGroup) -> dict:
     return {"error": None, "seconds": time.perf_counter() - started}
 
 
+@pytest.mark.slow  # local process groups
 def test_a_dead_rank_fails_the_collective_within_the_timeout():
     outcomes = run_local_group(2, _die_or_reduce, timeout_s=5, wait_s=60)
     assert outcomes[1].exitcode == 3
