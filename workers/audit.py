@@ -7,12 +7,15 @@ passes may pick different ones, and from there the outputs part. That is a near-
 rounding, not a bug; anything else is.
 
 For each prompt whose output differs, the audit finds the first position where it leaves AR's and
-computes the logits there twice, by two of the target's paths (one prefill over the prompt and AR's
-tokens up to there; the same prefill less the last token, then that token advanced alone). The two
-differ by this dtype's rounding on these very logits; the divergence is a near-tie when AR's token
-beats the method's by at most ``NOISE_FACTOR`` times that difference in the gap, or by at most
-``NEAR_TIE_ULPS`` units in the last place of the dtype at the logits' scale (bf16: 0.5 at a largest
-logit of 20). Float32 runs, whose two paths agree to float32 rounding, leave no room for a divergence.
+evaluates the logits there three ways: a prefill over the prompt and AR's tokens up to there; the same
+less the last token, then that token advanced alone (AR's own path); and the last few tokens verified
+as a chain after a prefill of the rest (the speculative methods' verify path). The three must agree
+over the whole vocabulary to within ``ROW_ULPS`` units in the last place of the dtype at the logits'
+scale, or one of the paths computes something else and nothing is explained. Agreeing, it is a near-tie
+when one of them puts the method's token level with or above AR's, when AR's margin is within
+``NOISE_FACTOR`` times how far the evaluations move it, or within ``NEAR_TIE_ULPS`` units in the last
+place (bf16: 0.5 at a largest logit of 20). Float32 runs, whose paths agree to float32 rounding, leave
+no room for a divergence.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from dataclasses import dataclass
 import torch
 
 NEAR_TIE_ULPS = 4
-NOISE_FACTOR = 4  # a third path (the method's verify pass) may round further off than the two measured
+NOISE_FACTOR = 4  # the method's own passes (its earlier rounds' K/V and state) round further than these
+VERIFY_CHAIN = 8  # tokens of the verify pass that re-evaluates the divergence's logits
+ROW_ULPS = 32  # how far (in ulps at the logits' scale) three evaluations of one row may drift apart
 # explicit mantissa bits of the dtypes a target runs in (float32: divergence is never a near-tie)
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
 
@@ -48,17 +53,26 @@ def near_tie_tolerance(scale: float, dtype: torch.dtype) -> float:
     return NEAR_TIE_ULPS * 2.0 ** (exponent - bits)
 
 
-def classify(logits: torch.Tensor, again: torch.Tensor | None, ar_token: int, method_token: int | None,
-             dtype: torch.dtype) -> tuple[float, float, bool]:
-    """(gap, noise, near tie) of the method's token against AR's in a row of logits [V]; ``again``: the
-    same logits by another path (None: no second path, the ulp rule alone)."""
+def classify(logits: torch.Tensor, others: list[torch.Tensor], ar_token: int, method_token: int | None,
+             dtype: torch.dtype, verified: torch.Tensor | None = None) -> tuple[float, float, bool]:
+    """(gap, noise, near tie) of the method's token against AR's in a row of logits [V]: ``others`` are
+    the same logits by other paths (the noise is how far they move the gap), ``verified`` by the
+    methods' verify path (a gap it closes is a near-tie whatever its size)."""
     if method_token is None:  # the output stopped early: not a rounding question
         return math.inf, 0.0, False
-    row = logits.float()
-    gap = float(row[ar_token] - row[method_token])
-    noise = 0.0 if again is None else abs(gap - float(again.float()[ar_token] - again.float()[method_token]))
-    allowed = max(NOISE_FACTOR * noise, near_tie_tolerance(float(row.abs().max()), dtype))
-    return gap, noise, gap <= allowed
+
+    def margin(row: torch.Tensor) -> float:
+        return float(row.float()[ar_token] - row.float()[method_token])
+
+    gap = margin(logits)
+    rows = [logits, *others, *([verified] if verified is not None else [])]
+    scale = float(logits.float().abs().max())
+    spread = max((float((a.float() - b.float()).abs().max()) for a in rows for b in rows), default=0.0)
+    if spread > ROW_ULPS / NEAR_TIE_ULPS * near_tie_tolerance(scale, dtype):  # a path computes something else
+        return gap, spread, False
+    noise = max(abs(gap - margin(row)) for row in rows)
+    allowed = max(NOISE_FACTOR * noise, near_tie_tolerance(scale, dtype))
+    return gap, noise, gap <= allowed or min(margin(row) for row in rows) <= 0
 
 
 def first_difference(ar: list[int], method: list[int]) -> int | None:
@@ -80,15 +94,19 @@ def audit(target, prompts: list[torch.Tensor], outputs: list[list[int]], baselin
             continue
         # AR's token at ``position`` came from the logits after the prompt and AR's first ``position`` tokens
         prefix = torch.cat((prompt_ids[0], torch.tensor(ar[:position], dtype=torch.long)))[None]
-        target.start(capacity=prefix.shape[1] + 1, max_verify=1)
+        chain = min(VERIFY_CHAIN, prefix.shape[1] - 1)
+        target.start(capacity=prefix.shape[1] + 1, max_verify=max(chain, 1))
         logits = target.prefill(prefix).logits[-1].clone()  # [V]
-        again = None
-        if prefix.shape[1] > 1:  # the same logits by another path: all but the last token, then that one alone
-            target.start(capacity=prefix.shape[1] + 1, max_verify=1)
+        others, verified = [], None
+        if chain > 0:  # the same logits by AR's path (the last token advanced alone) and by a verify pass
+            target.start(capacity=prefix.shape[1] + 1, max_verify=chain)
             target.prefill(prefix[:, :-1])
-            again = target.advance(prefix[0, -1:]).logits[-1]
+            others.append(target.advance(prefix[0, -1:]).logits[-1].clone())
+            target.start(capacity=prefix.shape[1] + 1, max_verify=chain)
+            target.prefill(prefix[:, :-chain])
+            verified = target.verify_chain(prefix[0, -chain:]).logits[-1]
         method_token = method[position] if position < len(method) else None
-        gap, noise, near = classify(logits, again, ar[position], method_token, dtype)
+        gap, noise, near = classify(logits, others, ar[position], method_token, dtype, verified)
         found.append(Divergence(index, position, ar[position], method_token, gap, noise, near))
     return found
 
@@ -107,7 +125,7 @@ def unexplained_warning(divergences: list[Divergence]) -> str | None:
     first = bad[0]
     where = f"prompt {first.prompt}, output position {first.position}"
     what = (f"AR chose {first.ar_token}, the method {first.method_token}, {first.gap:.4g} logits apart where "
-            f"two evaluations of them differ by {first.noise:.2g}"
+            f"three evaluations of them move it by up to {first.noise:.2g}"
             if first.method_token is not None else "the method's output ended first")
     return (f"LOSSLESS AUDIT: {len(bad)} output(s) left the AR baseline's where no near-tie explains it "
             f"(first: {where}: {what}); this is a real mismatch, not rounding")

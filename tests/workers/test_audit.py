@@ -30,17 +30,23 @@ def test_the_tolerance_is_a_few_units_in_the_last_place_of_the_dtype():
 
 def test_classify_and_first_difference():
     logits = torch.tensor([20.0, 19.8, 3.0, -5.0])
-    assert classify(logits, None, 0, 1, torch.bfloat16) == (pytest.approx(0.2, abs=1e-5), 0.0, True)
-    assert classify(logits, None, 0, 2, torch.bfloat16) == (17.0, 0.0, False)
-    assert classify(logits, None, 0, 1, torch.float32)[2] is False
-    assert classify(logits, None, 0, None, torch.bfloat16)[2] is False
+    assert classify(logits, [], 0, 1, torch.bfloat16) == (pytest.approx(0.2, abs=1e-5), 0.0, True)
+    assert classify(logits, [], 0, 2, torch.bfloat16) == (17.0, 0.0, False)
+    assert classify(logits, [], 0, 1, torch.float32)[2] is False
+    assert classify(logits, [], 0, None, torch.bfloat16)[2] is False
     # small logits, far below the ulp rule's scale: the gap is a near-tie when another evaluation of the
     # same logits moves it by a quarter of it or more, and not when the two evaluations agree
     small = torch.tensor([1.2, 1.05, -0.3])
     moved = torch.tensor([1.17, 1.06, -0.3])  # the gap moved by 0.04 between the two paths
-    gap, noise, near = classify(small, moved, 0, 1, torch.bfloat16)
+    gap, noise, near = classify(small, [moved], 0, 1, torch.bfloat16)
     assert gap == pytest.approx(0.15) and noise == pytest.approx(0.04, abs=1e-6) and near
-    assert not classify(small, small.clone(), 0, 1, torch.bfloat16)[2]
+    assert not classify(small, [small.clone()], 0, 1, torch.bfloat16)[2]
+    # a path that puts the method's token ahead makes it a near-tie ...
+    flipped = torch.tensor([1.11, 1.13, -0.3])
+    assert classify(small, [small.clone()], 0, 1, torch.bfloat16, verified=flipped)[2]
+    # ... unless the evaluations disagree beyond rounding over the row: then a path is broken, not rounding
+    broken = torch.tensor([1.0, 1.1, 2.7])
+    assert not classify(small, [small.clone()], 0, 1, torch.bfloat16, verified=broken)[2]
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert first_difference([1, 2, 3], [1, 2]) == 2
