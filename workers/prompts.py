@@ -144,7 +144,12 @@ def _plain(value: Any) -> Any:
 def _hub_records(source: PromptSource, benchmark: Benchmark) -> list[dict[str, Any]]:
     try:
         from datasets import load_dataset
-
+    except ImportError as exc:
+        raise BadInputError(
+            f"prompts.dataset: '{source.dataset}' comes from the hub through the `datasets` package, which is "
+            "not installed (pip install 'specdec-orchestrator[datasets]'; offline: give prompts.path instead)"
+        ) from exc
+    try:
         data = load_dataset(benchmark.hub_id, benchmark.config, split=source.split or benchmark.split)
     except Exception as exc:  # no network, unknown split, missing package: one line for the user
         raise BadInputError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -147,6 +148,12 @@ def test_hub_dataset_offline_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(BadInputError, match=r"cannot load 'mbpp' \(google-research-datasets/mbpp, split test\)"):
         load_source(PromptSource(dataset="mbpp"))
+
+
+def test_hub_dataset_without_the_datasets_package_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed: the import raises ImportError
+    with pytest.raises(BadInputError, match=r"not installed \(pip install 'specdec-orchestrator\[datasets\]'"):
+        load_source(PromptSource(dataset="gsm8k"))
 
 
 def test_limit_and_seeded_sampling(tmp_path):
