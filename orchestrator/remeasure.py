@@ -17,7 +17,7 @@ import ray
 
 from orchestrator import study as studies
 from orchestrator.config import METRICS, SweepConfig
-from orchestrator.pool import Slot, SlotState
+from orchestrator.pool import Slot, SlotState, replace_actor
 from orchestrator.progress import Progress
 from orchestrator.signals import StopSignals
 from orchestrator.tracking import ROUND_TAG, Tracker
@@ -109,7 +109,12 @@ class FinalRemeasure:
             while not self.signals.requested:
                 ready, _ = ray.wait([ref], num_returns=1, timeout=0.5)
                 if ready:
-                    return ray.get(ref)
+                    result = ray.get(ref)
+                    if result.restart_worker:  # a rank failed and its tensor-parallel group was aborted
+                        self.progress.note(f"actor {self.slot.index}: a tensor-parallel rank failed "
+                                           f"({result.error}); a new worker takes its slot")
+                        replace_actor(self.config, self.slot)
+                    return result
             return None
         finally:
             self.slot.state = SlotState.IDLE

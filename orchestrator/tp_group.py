@@ -182,7 +182,9 @@ def merge_ranks(results: list[TrialResult]) -> TrialResult:
                      f"{len(result.outputs)} outputs, rank 0 '{first.status.value}' with {len(first.outputs)}, "
                      "or their tokens differ")
             break
-    return dataclasses.replace(first, status=status, error=error, metrics=metrics, memory_trace=trace)
+    restart = any(result.restart_worker for result in results)
+    return dataclasses.replace(first, status=status, error=error, metrics=metrics, memory_trace=trace,
+                               restart_worker=restart)
 
 
 def _merged_trace(traces: list[MemoryTrace]) -> MemoryTrace:

@@ -167,16 +167,19 @@ class TrialLoop:
             self.progress.note(f"trial {job.trial_number}: still running after {limit:.0f} s (trial_timeout_s); "
                                f"its actor is stopped and replaced")
             self.tracker.kill(job.run_id, f"ran past trial_timeout_s ({limit:.0f} s)")
-            job.slot.state = SlotState.RESTARTING
-            self.progress.update(self.study, self.slots, studies.count_complete(self.study),
-                                 studies.target_complete(self.config))
-            replace_actor(self.config, job.slot)
+            self._replace_worker(job.slot)
             if job.attempt < MAX_ATTEMPTS:
                 self._submit(job.slot, job.trial_number, job.params, attempt=job.attempt + 1)
             else:
                 self.failures_in_a_row += 1
                 self.last_error = f"trial {job.trial_number} ran past trial_timeout_s twice"
                 self.study.tell(job.trial_number, state=TrialState.FAIL, skip_if_finished=True)
+
+    def _replace_worker(self, slot: Slot) -> None:
+        slot.state = SlotState.RESTARTING
+        self.progress.update(self.study, self.slots, studies.count_complete(self.study),
+                             studies.target_complete(self.config))
+        replace_actor(self.config, slot)
 
     def _has_work(self) -> bool:
         if self.config.sampler.type not in ("grid", "predicted"):
@@ -219,6 +222,10 @@ class TrialLoop:
         except Exception as exc:  # a bug inside the actor call: fail this trial, keep sweeping
             self._failed(job, f"{type(exc).__name__}: {exc}")
             return
+        if result.restart_worker:  # its tensor-parallel group was aborted when a rank failed
+            self.progress.note(f"trial {job.trial_number}: a tensor-parallel rank failed ({result.status.value}); "
+                               "the group is gone, a new worker takes its slot")
+            self._replace_worker(job.slot)
         if result.status is TrialStatus.ERROR:
             self._failed(job, result.error or "unknown error")
             return

@@ -89,14 +89,18 @@ def _rank_main(rank: int, world: int, init_method: str, backend: str, timeout_s:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     outcome: dict[str, Any] = {}
+    tp: TPGroup | None = None
     try:
-        tp: TPGroup = join_group(rank, world, init_method, backend=backend, timeout_s=timeout_s)
+        tp = join_group(rank, world, init_method, backend=backend, timeout_s=timeout_s)
         outcome["value"] = fn(tp, *args)
     except BaseException as exc:  # reported to the caller, not lost with the process
         outcome["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
     torch.save(outcome, Path(folder) / f"rank{rank}.pt")
-    if torch.distributed.is_initialized() and "error" not in outcome:
-        torch.distributed.destroy_process_group()
+    if tp is not None:  # the alarm's watcher stopped before the process ends; the group left if it ran
+        if "error" in outcome and tp.alarm is not None:
+            tp.alarm.close()
+        elif "error" not in outcome:
+            tp.close()
 
 
 def _read_outcome(folder: Path, rank: int, exitcode: int | None) -> RankOutcome:

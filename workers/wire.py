@@ -110,7 +110,9 @@ class TrialSpec:
     warmup: bool = True
     baseline: bool = True  # also measure (once, cached) AR on the same prompts: speedup, lossless_match
     repeats: int = 1  # each prompt generated this many times; the run with its median decode time counts
-    fault: str | None = None  # "oom" | "error" | "crash": fault injection for tests (crash kills the process)
+    # fault injection for tests: "oom" | "error" | "crash" (kills the process) | "oom_on_last_rank" (the
+    # last rank of a tensor-parallel group runs out of memory mid-pass, the others waiting for it)
+    fault: str | None = None
 
     @property
     def method(self) -> Method:
@@ -135,6 +137,9 @@ class TrialResult:
     error: str | None = None
     wall_s: float = 0.0
     warnings: list[str] = field(default_factory=list)  # what the user must see (the lossless audit's mismatch)
+    # the worker cannot run another trial (a rank failed and its tensor-parallel group was aborted): the
+    # driver replaces it
+    restart_worker: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The one JSON shape of a result: the bench's ``--json`` output and MLflow's result.json."""

@@ -140,6 +140,7 @@ class Worker:
         started = time.perf_counter()
         tracer = MemoryTracer(interval_ms=self.config.memory_interval_ms)
         status, error, outputs, metrics, baseline, warnings = TrialStatus.OK, None, [], {}, None, []
+        injected = self._inject_rank_oom() if spec.fault == "oom_on_last_rank" else None
         try:
             with tracer:
                 if spec.fault == "oom":
@@ -169,6 +170,16 @@ class Worker:
             status, error = TrialStatus.ERROR, str(exc)
         except Exception as exc:  # a trial must end in a result, never take the worker down
             status, error = TrialStatus.ERROR, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"
+        if injected is not None:
+            injected.remove()
+        restart = False
+        if self.tp is not None and (status in (TrialStatus.OOM, TrialStatus.ERROR) or self.tp.alarm.raised):
+            # a rank that failed tells the others, whose collectives it may have left waiting: every rank
+            # ends with the group's first failure, and the group is gone (the driver makes a new worker)
+            first = self.tp.alarm.raise_alarm(status.value, error or "")
+            if first["rank"] != self.tp.rank:
+                error = f"tensor-parallel rank {first['rank']}: {first['error']}"
+            status, restart = TrialStatus(first["status"]), True
         if status is TrialStatus.OOM:
             reset_and_empty_cache()  # outside the except block: the traceback no longer pins tensors
         trace = tracer.trace
@@ -187,7 +198,23 @@ class Worker:
             error=error,
             wall_s=time.perf_counter() - started,
             warnings=warnings,
+            restart_worker=restart,
         )
+
+    def _inject_rank_oom(self):
+        """Fault injection: this trial's third lm_head call on the group's last rank (the only rank
+        alone) runs out of memory, mid-pass, while the other ranks wait for it in the logits' gather.
+        Returns the hook's handle (to remove)."""
+        if self.tp is not None and self.tp.rank != self.tp.world - 1:
+            return None
+        calls = []
+
+        def out_of_memory(module, inputs) -> None:
+            calls.append(1)
+            if len(calls) == 3:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected on the last rank, mid-pass)")
+
+        return self.model.get_output_embeddings().register_forward_pre_hook(out_of_memory)
 
     # -- internals ---------------------------------------------------------------------------------
     def _prepare(self, spec: TrialSpec) -> tuple[list[torch.Tensor], GenerationConfig]:

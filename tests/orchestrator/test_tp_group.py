@@ -277,6 +277,32 @@ def test_sweep_with_a_tp_worker_survives_a_killed_rank_and_resumes(tiny_dir, tmp
 
 
 @pytest.mark.sweep
+def test_a_rank_out_of_memory_mid_trial_is_infeasible_and_a_new_group_runs_on(tiny_dir, tmp_path):
+    runs = tmp_path / "runs"
+    slow_timeout = TP2 | {"join_timeout_s": 600}  # the collectives' timeout: the trial must end long before
+    config = sweep_dict(tiny_dir, runs, n_trials=1, workers=slow_timeout, measurement={"final_top_k": 0})
+    config["ray"] = {"address": None, "num_cpus": 2}
+    assert run_sweep(write_sweep(tmp_path / "first.yaml", config)).returncode == 0  # the study exists
+    study = optuna.load_study(study_name="test-sweep", storage=f"sqlite:///{runs}/optuna.db")
+    study.enqueue_trial({"tree_budget": 8, "max_depth": 3, "branching": 2}, user_attrs={"fault": "oom_on_last_rank"})
+    config["n_trials"] = 3
+    proc = run_sweep(write_sweep(tmp_path / "sweep.yaml", config))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "a tensor-parallel rank failed (oom)" in proc.stderr
+    study = assert_consistent(runs, 3)
+    [oom] = [t for t in study.trials if t.user_attrs.get("fault") == "oom_on_last_rank"]
+    assert oom.state == TrialState.COMPLETE and oom.user_attrs["status"] == "oom"  # infeasible, as on one GPU
+    client = MlflowClient(f"sqlite:///{runs}/mlflow.db")
+    experiment = client.get_experiment_by_name("test")
+    children = client.search_runs([experiment.experiment_id], "tags.sweep_role = 'trial'", max_results=100)
+    run = next(r for r in children if r.data.tags["optuna_trial"] == str(oom.number))
+    assert run.info.status == "FINISHED" and run.data.tags["trial_status"] == "oom"
+    assert (run.info.end_time - run.info.start_time) / 1000 < 120  # seconds, not the 600 s timeout
+    after = [t for t in study.trials if t.number > oom.number]
+    assert after and all(t.state == TrialState.COMPLETE and t.user_attrs["status"] == "ok" for t in after)
+
+
+@pytest.mark.sweep
 def test_a_group_no_node_can_hold_is_refused_and_creates_nothing(tiny_dir, tmp_path):
     runs = tmp_path / "runs"
     config = sweep_dict(tiny_dir, runs, n_trials=1, workers=TP2 | {"ranks": 3})

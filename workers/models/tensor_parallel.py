@@ -30,7 +30,10 @@ all-reduce, also bitwise the same. The (replicated) drafter therefore drafts the
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+import json
+import threading
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -40,6 +43,90 @@ from torch import nn
 from workers.errors import BadInputError
 from workers.seam import text_config
 
+ALARM_KEY = "alarm/first-failure"  # in the group's store: the first failure, as JSON
+
+
+def _wake_key(rank: int) -> str:
+    return f"alarm/wake/{rank}"  # set for every rank by a failure, for one rank by its own close()
+
+
+class GroupAlarm:
+    """How a rank that fails tells the others at once, before they wait for it in a collective.
+
+    A rank that raises mid-trial (an OOM on its GPU) leaves the others in a collective it will never
+    enter; NCCL's watchdog would end that only after the group's timeout, and collectives captured in
+    a CUDA graph it does not watch at all. So the failing rank writes its failure under one key of the
+    group's store (the first one written wins), wakes every rank's watcher thread, and aborts its
+    process group; each watcher aborts its rank's group. An aborted group ends what waits in it (NCCL
+    aborts its communicators, whose kernels poll for that; gloo's peers see their connections close),
+    so every rank's call returns within moments with the first failure; the group is then gone and the
+    worker must be made anew (``TrialResult.restart_worker``).
+    """
+
+    def __init__(self, store: dist.TCPStore, host: str, port: int, rank: int, world: int,
+                 timeout_s: float) -> None:
+        self.rank, self.world = rank, world
+        self._group_store = store  # kept: on rank 0 it serves the store, which must outlive an aborted group
+        self.first_failure: dict | None = None  # {"rank", "status", "error"} once any rank raised the alarm
+        self._closing = False
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # two connections of our own: the watcher blocks on one; the group's store is the group's
+        self._store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        self._watched = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        self._watcher = threading.Thread(target=self._watch, name="tp-group-alarm", daemon=True)
+        self._watcher.start()
+
+    @property
+    def raised(self) -> bool:
+        return self.first_failure is not None
+
+    def raise_alarm(self, status: str, error: str) -> dict:
+        """This rank failed with (status, error): tell every rank (unless one already has) and abort
+        this rank's group. Returns the group's first failure, which may be another rank's."""
+        mine = json.dumps({"rank": self.rank, "status": status, "error": error})
+        try:
+            first = json.loads(self._store.compare_set(ALARM_KEY, "", mine))
+            for rank in range(self.world):
+                self._store.set(_wake_key(rank), "alarm")
+        except Exception:  # the store's host (rank 0) is gone: this rank's failure is all it knows
+            first = json.loads(mine)
+        self._abort(first)
+        return first
+
+    def close(self) -> None:
+        """Stop this rank's watcher (before the process ends: a thread blocked in the store when the
+        interpreter exits and the store's host goes away aborts the process)."""
+        self._closing = True
+        try:
+            self._store.set(_wake_key(self.rank), "closed")
+        except Exception:  # the store is gone, and with it the watcher's wait
+            pass
+        self._watcher.join(timeout=5.0)
+
+    def _watch(self) -> None:
+        try:
+            while True:
+                try:
+                    self._watched.wait([_wake_key(self.rank)], datetime.timedelta(hours=1))
+                    break
+                except dist.DistStoreError:  # waited an hour: keep waiting
+                    continue
+            if not self._closing:
+                self._abort(json.loads(self._watched.get(ALARM_KEY)))
+        except Exception:  # the store went away with rank 0: the group is over (RankGroup's watch ends it)
+            return
+
+    def _abort(self, first: dict) -> None:
+        if self.first_failure is None:
+            self.first_failure = first
+        if not dist.is_initialized():
+            return
+        try:
+            dist.distributed_c10d._abort_process_group()  # every group of this process, collectives in flight
+        except Exception:  # an older torch, or aborted meanwhile by the other thread
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -48,6 +135,7 @@ class TPGroup:
     rank: int
     world: int
     group: object | None = None  # a torch.distributed ProcessGroup; None = the default group
+    alarm: GroupAlarm | None = field(default=None, compare=False)  # a failing rank tells the others
 
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place; returns it (the same values on every rank)."""
@@ -71,18 +159,32 @@ class TPGroup:
     def _backend(self) -> str:
         return str(dist.get_backend(self.group))
 
+    def close(self) -> None:
+        """Leave the group: the alarm's watcher stopped, the process group destroyed (if not aborted)."""
+        if self.alarm is not None:
+            self.alarm.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
 
 def join_group(rank: int, world: int, init_method: str, backend: str | None = None,
                timeout_s: float = 300.0) -> TPGroup:
     """Join the default process group (gloo on CPU, nccl when CUDA is available unless ``backend``).
 
-    ``timeout_s`` bounds every collective: a rank that died makes the others fail instead of hang.
+    ``init_method`` is ``tcp://host:port``: rank 0 serves the group's store there. ``timeout_s`` bounds
+    every collective: a rank that died makes the others fail instead of hang; one that raises tells
+    them at once (``GroupAlarm``).
     """
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    return TPGroup(rank, world)
+    address = urlsplit(init_method)
+    if address.scheme != "tcp" or address.hostname is None or address.port is None:
+        raise ValueError(f"init_method must be tcp://host:port, got {init_method!r}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(address.hostname, address.port, world, is_master=rank == 0, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore("group", store), rank=rank, world_size=world,
+                            timeout=timeout)
+    return TPGroup(rank, world, alarm=GroupAlarm(store, address.hostname, address.port, rank, world, timeout_s))
 
 
 # -- sharding ------------------------------------------------------------------------------------------

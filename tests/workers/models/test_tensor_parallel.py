@@ -245,3 +245,42 @@ def test_a_dead_rank_fails_the_collective_within_the_timeout():
     assert survivor.exitcode == 0 and survivor.value is not None, survivor.error
     assert survivor.value["error"] is not None
     assert survivor.value["seconds"] < 30
+
+
+# -- a rank that raises tells the others at once (GroupAlarm) -------------------------------------------
+def _rank_runs_out_of_memory(tp: TPGroup, target_dir: str, drafter_dir: str, folder: str) -> dict:
+    """A Worker trial whose last rank runs out of memory in its third lm_head call (mid-pass: rank 0
+    then waits for it in the logits' gather), timed on every rank. Each rank then stays alive, group
+    open, until every rank is done, as a Ray rank does (a process that exits would close its
+    connections and so end the others' wait by itself)."""
+    from workers.prompts import Prompt
+    from workers.wire import TrialSpec, WorkerConfig
+    from workers.worker import Worker
+
+    config = WorkerConfig(target=target_dir, drafter=drafter_dir, dtype="float32", device="cpu",
+                          chat_template=False, tensor_parallel=tp.world)
+    worker = Worker(config).load(tp)
+    spec = TrialSpec(TreeParams(budget=8), tuple(Prompt(input_ids=tuple(p[0].tolist())) for p in prompts(6)),
+                     max_new_tokens=MAX_NEW, warmup=False, fault="oom_on_last_rank")
+    started = time.perf_counter()
+    result = worker.run_trial(spec)
+    seconds = time.perf_counter() - started
+    (Path(folder) / f"done{tp.rank}").touch()
+    while len(list(Path(folder).glob("done*"))) < tp.world:
+        time.sleep(0.1)
+    return {"status": result.status.value, "error": result.error, "restart": result.restart_worker,
+            "seconds": seconds}
+
+
+@pytest.mark.slow  # a local process group
+def test_a_rank_that_runs_out_of_memory_mid_pass_ends_every_ranks_trial_at_once(tiny_hybrid, tmp_path):
+    timeout_s = 120.0  # the collectives' own timeout: the trial must end long before it
+    pair = (str(tiny_hybrid.target_dir), str(tiny_hybrid.drafter_dir))
+    outcomes = run_local_group(2, _rank_runs_out_of_memory, (*pair, str(tmp_path)), timeout_s=timeout_s, wait_s=300)
+    for outcome in outcomes:
+        assert outcome.ok, f"rank {outcome.rank}: {outcome.error}"
+        result = outcome.value
+        assert result["status"] == "oom" and result["restart"], result  # infeasible, as on one GPU
+        assert result["seconds"] < timeout_s / 4, result
+    assert "injected on the last rank" in outcomes[1].value["error"]
+    assert outcomes[0].value["error"].startswith("tensor-parallel rank 1: ")  # rank 0 names who failed
