@@ -31,6 +31,12 @@ TINY_SMALL_VOCAB = TinyShape(vocab_size=6, block_size=6, **MIXED_DRAFTER)  # cha
 # drafter makes every layer sliding and non-causal (dflash_config.use_swa, as MiMo's drafters do).
 TINY_HYBRID = TinyShape(vocab_size=6, block_size=6, arch="qwen3_5", **MIXED_DRAFTER)
 TINY_NEXT = TinyShape(arch="qwen3_next", drafter_window=12, drafter_use_swa=True)
+# DFlash2 drafters (convolutions, candidate selector) laid out as the published one: every layer sliding
+# and non-causal (is_causal false), here with a window of 8; on a Qwen3 target and on a Qwen3.5 hybrid.
+DFLASH2_DRAFTER = {"dflash2": True, "drafter_layer_types": ("sliding_attention", "sliding_attention"),
+                   "drafter_window": 8, "drafter_causal": False}
+TINY_DFLASH2 = TinyShape(vocab_size=6, block_size=6, **DFLASH2_DRAFTER)
+TINY_HYBRID_DFLASH2 = TinyShape(vocab_size=6, block_size=6, arch="qwen3_5", **DFLASH2_DRAFTER)
 
 
 @dataclass
@@ -72,6 +78,18 @@ def tiny_hybrid(tmp_path_factory) -> TinyModels:
 def tiny_next(tmp_path_factory) -> TinyModels:
     """A Qwen3-Next-style hybrid target with MoE MLPs (vocab 32, block 8) and its drafter."""
     return _load(TINY_NEXT, tmp_path_factory.mktemp("tiny_next"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dflash2(tmp_path_factory) -> TinyModels:
+    """A Qwen3 target (vocab 6, block 6) with a DFlash2 drafter, float32 on CPU."""
+    return _load(TINY_DFLASH2, tmp_path_factory.mktemp("tiny_dflash2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_dflash2(tmp_path_factory) -> TinyModels:
+    """A Qwen3.5-style hybrid target (vocab 6, block 6) with a DFlash2 drafter, float32 on CPU."""
+    return _load(TINY_HYBRID_DFLASH2, tmp_path_factory.mktemp("tiny_hybrid_dflash2"))
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ from workers.decoding.generation import GenerationConfig, device_sync
 from workers.decoding.methods import entry_of
 from workers.decoding.params import MethodParams, RoundShape, TreeParams
 from workers.decoding.replay import ReplayTable, output_length
-from workers.decoding.tree import build_tree
+from workers.decoding.tree import build_draft_tree
 
 MAX_ANCHORS = 12  # chain widths measured when the space has more (the rest interpolated)
 TREE_BUDGET_ANCHORS = 6
@@ -256,7 +256,7 @@ def measure_costs(target, drafter, settings: list[MethodParams], contexts: tuple
         drafting = open_drafting(drafter, target, contexts[-1] + (repeats + 2) * 2 * block + 2 * block)
 
     advance_s, verify_s = {}, {}
-    fed, tree_logits = 0, None
+    fed, tree_logits = 0, None  # the drafter's proposal the trees are built from (logits, or a Lattice)
     for context in contexts:
         # the cache holds ``context`` committed tokens: the prompt's text fed up to here
         taps = target.prefill(text[:, fed:context]).taps if fed == 0 else target.advance(text[0, fed:context]).taps
@@ -272,11 +272,10 @@ def measure_costs(target, drafter, settings: list[MethodParams], contexts: tuple
         for branching, (depths, budgets) in groups.items():
             table[branching] = {}
             for depth in depths:
-                log_probs = torch.log_softmax(tree_logits[:depth].float(), dim=-1)
                 table[branching][depth] = {}
                 for budget in budgets:
                     params = TreeParams(budget, depth, None if branching == "None" else int(branching))
-                    tree = build_tree(log_probs, params).to(target.device)
+                    tree = build_draft_tree(tree_logits[:depth], params).to(target.device)
                     table[branching][depth][budget] = _time(lambda tree=tree: target.verify_tree(root[0], tree),
                                                             sync, repeats)
         verify_s[context] = table

@@ -113,6 +113,8 @@ def block_hidden(
     anchors: torch.Tensor,  # [m]: block starts, each block sees context positions < its anchor
 ) -> torch.Tensor:
     """The drafter over m blocks of one sequence in one pass -> final-normed hidden states [m, b, H]."""
+    if drafter.spec.selector is not None:  # its convolutions would reach across the packed blocks
+        raise ValueError("training a DFlash2 drafter is not implemented (DFlash v1 drafters only)")
     m, b, width = block_embeds.shape
     length, device = taps.shape[0], taps.device
     context = drafter.hidden_norm(drafter.fc(taps))[None]  # [1, L, H]

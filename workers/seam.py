@@ -115,3 +115,49 @@ class DraftTree:
         """The same tree on ``device`` (one copy per round, shared by verify and the walk)."""
         return DraftTree(*(t.to(device, non_blocking=True) for t in
                            (self.tokens, self.depths, self.parents, self.visibility, self.log_probs)))
+
+
+@dataclass(frozen=True)
+class Lattice:
+    """What a DFlash2 drafter's pass proposes for its n draft positions (``workers.models.drafter2``).
+
+    tokens:    [n, K]    long, each position's candidates (the lm_head's top-K), best logit first
+    log_probs: [n, K, K] float32, log_probs[j, p, c]: candidate c at position j after candidate p of
+                         position j - 1 (the selector's distribution over the K; at position 0 every
+                         row p is the anchor's)
+    greedy:    [n]       long, the selector's greedy chain from the anchor (token ids)
+
+    A DFlash round drafts ``greedy``; a DDTree round builds its tree from the lattice
+    (``workers.decoding.tree.build_lattice_tree``).
+    """
+
+    tokens: torch.Tensor
+    log_probs: torch.Tensor
+    greedy: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def __getitem__(self, rows: slice) -> Lattice:
+        """The first positions (``lattice[:d]``): the greedy walk's prefix is the walk over them."""
+        return Lattice(self.tokens[rows], self.log_probs[rows], self.greedy[rows])
+
+    def clone(self) -> Lattice:
+        return Lattice(self.tokens.clone(), self.log_probs.clone(), self.greedy.clone())
+
+    def contiguous(self) -> Lattice:
+        return Lattice(self.tokens.contiguous(), self.log_probs.contiguous(), self.greedy.contiguous())
+
+    def copy_(self, other: Lattice) -> Lattice:
+        """Overwrite in place (a captured graph's static inputs)."""
+        self.tokens.copy_(other.tokens)
+        self.log_probs.copy_(other.log_probs)
+        self.greedy.copy_(other.greedy)
+        return self
+
+    def to(self, device) -> Lattice:
+        return Lattice(self.tokens.to(device), self.log_probs.to(device), self.greedy.to(device))
+
+
+Draft = torch.Tensor | Lattice  # a drafter pass's proposal: DFlash's draft logits [n, V], or DFlash2's Lattice

@@ -2,7 +2,7 @@
 
 ``write_tiny_pair(folder)`` writes a target (``folder/target``, transformers layout: Qwen3 by default,
 or a Qwen3.5 / Qwen3-Next hybrid with ``TinyShape(arch=...)``) and a DFlash drafter for it (``folder/drafter``,
-z-lab layout). Weights are random but scaled up so logits
+z-lab layout; DFlash2 with ``TinyShape(dflash2=True)``). Weights are random but scaled up so logits
 are well separated: greedy ties, which would make float32 exactness tests flaky, are then rare.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from workers.models.drafter import DFlashDrafter
+from workers.models.drafter2 import drafter_for
 from workers.models.drafter_config import DrafterSpec
 from workers.models.loading import save_drafter
 
@@ -39,6 +39,12 @@ class TinyShape:
     drafter_window: int | None = None  # sliding_window (with use_sliding_window: true)
     drafter_use_swa: bool = False  # dflash_config.use_swa: every layer sliding
     drafter_causal: bool | None = None  # dflash_config.causal: overrides every layer's causality
+    # a DFlash2 drafter (DFlash2DraftModel: dynamic convolutions, a candidate selector) instead of DFlash
+    dflash2: bool = False
+    selector_top_k: int = 4
+    selector_rank: int = 8
+    conv_kernel_size: int = 2
+    conv_group_size: int = 4
 
 
 ARCHES = ("qwen3", "qwen3_5", "qwen3_next")
@@ -92,7 +98,7 @@ def tiny_drafter_config(shape: TinyShape) -> dict:
         "target_layer_ids": sorted({1, shape.num_layers - 2} if shape.num_layers > 2 else {0}),
     }
     config = _qwen3_config(shape) | {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": ["DFlash2DraftModel" if shape.dflash2 else "DFlashDraftModel"],
         "num_hidden_layers": shape.drafter_layers,
         "num_target_layers": shape.num_layers,
         "block_size": shape.block_size,
@@ -105,6 +111,9 @@ def tiny_drafter_config(shape: TinyShape) -> dict:
         dflash["use_swa"] = True
     if shape.drafter_causal is not None:
         dflash["causal"] = shape.drafter_causal
+    if shape.dflash2:
+        dflash |= {"conv_kernel_size": shape.conv_kernel_size, "conv_group_size": shape.conv_group_size,
+                   "selector_rank": shape.selector_rank, "selector_top_k": shape.selector_top_k}
     return config | {"dflash_config": dflash}
 
 
@@ -122,7 +131,7 @@ def write_tiny_pair(folder: Path, shape: TinyShape = TinyShape(), seed: int = 0)
     target.save_pretrained(target_dir)
 
     raw = tiny_drafter_config(shape)
-    drafter = DFlashDrafter(DrafterSpec.from_dict(raw))
+    drafter = drafter_for(DrafterSpec.from_dict(raw))
     _spread(drafter, shape.init_std)
     save_drafter(drafter, drafter_dir, raw)
     return target_dir, drafter_dir

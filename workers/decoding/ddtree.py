@@ -1,9 +1,10 @@
 """DDTree: the drafter's one block pass spread into a best-first tree, verified in one target pass.
 
 Round: the drafter's per-position log-probs give the ``budget`` most probable prefixes (capped in
-depth and branching); the target scores root + all nodes at once under a tree mask; the walk from
-the root follows the target's own sample at each node; the accepted path is committed and the
-target's sample after it becomes the next bonus. Lossless at any temperature, as for DFlash.
+depth and branching; a DFlash2 drafter's: the most probable walks through its selector's lattice);
+the target scores root + all nodes at once under a tree mask; the walk from the root follows the
+target's own sample at each node; the accepted path is committed and the target's sample after it
+becomes the next bonus. Lossless at any temperature, as for DFlash.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ def generate(
     rounds: list[int] = []
     while not out.done:
         with timer.stage("draft"):
-            draft_logits = drafting.draft(bonus, new_context, params.max_depth)  # [max_depth, V]
+            draft = drafting.draft(bonus, new_context, params.max_depth)  # logits [max_depth, V] or a Lattice
         with timer.stage("tree"):
-            tree = drafting.build_tree(draft_logits, params)  # on the drafter's device
+            tree = drafting.build_tree(draft, params)  # on the drafter's device
         with timer.stage("verify"):
             verified = target.verify_tree(bonus[0], tree)
         with timer.stage("commit"):

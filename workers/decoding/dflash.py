@@ -1,9 +1,10 @@
 """DFlash: chain drafting with a block-diffusion drafter, verified in one target pass per round.
 
-Round: the drafter fills [bonus, MASK...] in one pass and its greedy guesses form a chain; the
-target scores [bonus, guesses] causally; the longest prefix where each guess equals the target's own
-sample is accepted, then the target's sample after it becomes the next bonus. Lossless at any
-temperature: every committed token is a target sample.
+Round: the drafter fills [bonus, MASK...] in one pass and its greedy guesses form a chain (a DFlash2
+drafter's: its selector's greedy walk over each position's candidates); the target scores [bonus,
+guesses] causally; the longest prefix where each guess equals the target's own sample is accepted,
+then the target's sample after it becomes the next bonus. Lossless at any temperature: every
+committed token is a target sample.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def generate(
     rounds: list[int] = []
     while not out.done:
         with timer.stage("draft"):
-            draft_logits = drafting.draft(bonus, new_context, num_draft)  # [n, V]
-            guesses = draft_logits.argmax(dim=-1)  # [n] greedy chain, also at T > 0
+            draft = drafting.draft(bonus, new_context, num_draft)  # logits [n, V] (DFlash2: a Lattice)
+            guesses = drafting.chain(draft)  # [n] greedy chain, also at T > 0
         with timer.stage("verify"):
             chain = torch.cat((bonus, guesses.to(bonus.device)))  # [n+1]
             verified = target.verify_chain(chain)

@@ -1,8 +1,9 @@
 """Drafting: the step both speculative engines share, one object per way of running it.
 
 A DFlash round feeds the drafter the taps of the tokens committed last round plus the block
-[bonus, MASK x (block_size-1)] (the target's embedding of it) and reads draft logits for the
-positions after the bonus through the target's lm_head; DDTree then builds its tree from them.
+[bonus, MASK x (block_size-1)] (the target's embedding of it); the pass proposes the positions
+after the bonus (``Draft``): a DFlash drafter's draft logits through the target's lm_head, a DFlash2
+drafter's ``Lattice`` of candidates. DFlash drafts its ``chain``, DDTree builds its tree from it.
 ``open_drafting`` picks the way once per generation:
 
 - ``EagerDrafting``: the pass launched op by op (CPU, targets split over devices, debugging);
@@ -11,8 +12,8 @@ positions after the bonus through the target's lm_head; DDTree then builds its t
   cache, so one ``GraphDrafting`` is kept for as long as the target lives, by a ``DraftGraphStore``
   in the target's ``drafter_graphs`` (beside the target's own graphs), and reset per generation.
 
-Both have the same calls: ``draft(bonus, new_context, rows) -> logits [rows, V]`` and
-``build_tree(draft_logits, params) -> DraftTree``.
+Both have the same calls: ``draft(bonus, new_context, rows) -> Draft``, ``chain(draft) -> tokens
+[rows]`` and ``build_tree(draft, params) -> DraftTree``.
 """
 
 from __future__ import annotations
@@ -20,23 +21,28 @@ from __future__ import annotations
 import torch
 
 from workers.decoding.params import TreeParams
-from workers.decoding.tree import build_tree
+from workers.decoding.tree import build_draft_tree
 from workers.models.drafter import DFlashDrafter, DrafterCache
 from workers.models.graph_cache import GraphCache, capture
-from workers.seam import DraftTree, Target
+from workers.seam import Draft, DraftTree, Lattice, Target
 
 
 def _eager_pass(drafter: DFlashDrafter, target: Target, cache: DrafterCache, bonus: torch.Tensor,
-                new_context: torch.Tensor, rows: int) -> torch.Tensor:
-    """One drafter pass -> draft logits [rows, V]. The whole block always runs (the drafter was
-    trained on full blocks); only the first ``rows`` predictions are used."""
+                new_context: torch.Tensor, rows: int) -> Draft:
+    """One drafter pass -> its proposal for the first ``rows`` positions after the bonus. The whole
+    block always runs (the drafter was trained on full blocks)."""
     block_ids = torch.full((1, drafter.block_size), drafter.spec.mask_token_id, dtype=torch.long, device=bonus.device)
     block_ids[0, 0] = bonus[0]
     embed = target.model.get_input_embeddings()
     block_embeds = embed(block_ids.to(embed.weight.device)).to(drafter.fc.weight.device)
     hidden = drafter(block_embeds, new_context, cache)  # [1, block, H]
-    lm_head = target.model.get_output_embeddings()
-    return lm_head(hidden[0, 1 : 1 + rows].to(lm_head.weight.device))
+    return drafter.propose(hidden[0, 1 : 1 + rows], target.model.get_output_embeddings(), block_ids[0, :1])
+
+
+def chain(draft: Draft) -> torch.Tensor:
+    """The chain a DFlash round drafts [rows]: the drafter's greedy guesses (argmax of the draft
+    logits; DFlash2: the selector's greedy walk), at any temperature."""
+    return draft.greedy if isinstance(draft, Lattice) else draft.argmax(dim=-1)
 
 
 class EagerDrafting:
@@ -44,11 +50,14 @@ class EagerDrafting:
         self.drafter, self.target = drafter, target
         self.cache = drafter.new_cache(capacity)
 
-    def draft(self, bonus: torch.Tensor, new_context: torch.Tensor, rows: int) -> torch.Tensor:
+    def draft(self, bonus: torch.Tensor, new_context: torch.Tensor, rows: int) -> Draft:
         return _eager_pass(self.drafter, self.target, self.cache, bonus, new_context, rows)
 
-    def build_tree(self, draft_logits: torch.Tensor, params: TreeParams) -> DraftTree:
-        return build_tree(torch.log_softmax(draft_logits.float(), dim=-1), params)  # on the drafter's device
+    def chain(self, draft: Draft) -> torch.Tensor:
+        return chain(draft)
+
+    def build_tree(self, draft: Draft, params: TreeParams) -> DraftTree:
+        return build_draft_tree(draft, params)  # on the drafter's device
 
 
 class GraphDrafting:
@@ -68,9 +77,10 @@ class GraphDrafting:
         # cheaper replayed than launched one by one from Python (benchmarks/gpu_speed.py)
         self.tree_graphs = GraphCache(4)
 
-    def draft(self, bonus: torch.Tensor, new_context: torch.Tensor, rows: int) -> torch.Tensor:
-        """Draft logits [rows, V]: replayed for a round's few new tokens (the graph's static output,
-        valid until the next call), eager for a longer context (the prompt, once per generation)."""
+    def draft(self, bonus: torch.Tensor, new_context: torch.Tensor, rows: int) -> Draft:
+        """The proposal for ``rows`` positions: replayed for a round's few new tokens (the graph's
+        static output, valid until the next call), eager for a longer context (the prompt, once per
+        generation)."""
         num_new = new_context.shape[1]
         if num_new > self.drafter.block_size:
             return _eager_pass(self.drafter, self.target, self.cache, bonus, new_context, rows)
@@ -82,27 +92,31 @@ class GraphDrafting:
         key = (num_new, rows)
         if key not in self.graphs:  # the warm-ups rewrite the same context K/V into the same slots
             self.graphs[key] = capture(lambda: self._pass(num_new, rows))
-        graph, logits = self.graphs[key]
+        graph, proposal = self.graphs[key]
         graph.replay()
         self.cache.length += num_new
-        return logits
+        return proposal
 
-    def build_tree(self, draft_logits: torch.Tensor, params: TreeParams) -> DraftTree:
-        """``build_tree(log_softmax(draft_logits))`` replayed (static outputs, valid until the next call)."""
-        key = (params, tuple(draft_logits.shape), draft_logits.dtype)
+    def chain(self, draft: Draft) -> torch.Tensor:
+        return chain(draft)
+
+    def build_tree(self, draft: Draft, params: TreeParams) -> DraftTree:
+        """``build_draft_tree(draft)`` replayed (static outputs, valid until the next call)."""
+        key = (params, draft.rows) if isinstance(draft, Lattice) else (params, tuple(draft.shape), draft.dtype)
         if key not in self.tree_graphs:
-            logits = draft_logits.clone()
-            graph, tree = capture(lambda: build_tree(torch.log_softmax(logits.float(), dim=-1), params))
-            self.tree_graphs[key] = (logits, graph, tree)
-        logits, graph, tree = self.tree_graphs[key]
-        logits.copy_(draft_logits)
+            static = draft.clone()
+            graph, tree = capture(lambda: build_draft_tree(static, params))
+            self.tree_graphs[key] = (static, graph, tree)
+        static, graph, tree = self.tree_graphs[key]
+        static.copy_(draft)
         graph.replay()
         return tree
 
-    def _pass(self, num_new: int, rows: int) -> torch.Tensor:
+    def _pass(self, num_new: int, rows: int) -> Draft:
         embeds = self.target.model.get_input_embeddings()(self.block_ids)
         hidden = self.drafter.forward_at(embeds, self.context[:, :num_new], self.cache, self.length)
-        return self.target.model.get_output_embeddings()(hidden[0, 1 : 1 + rows])
+        return self.drafter.propose(hidden[0, 1 : 1 + rows], self.target.model.get_output_embeddings(),
+                                    self.block_ids[0, :1])
 
 
 class DraftGraphStore:

@@ -27,7 +27,8 @@ import torch
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import TreeParams
 from workers.decoding.sampling import make_generator, sample_tokens
-from workers.decoding.tree import accepted_nodes, build_tree
+from workers.decoding.tree import accepted_nodes, build_lattice_tree, build_tree
+from workers.seam import Lattice
 
 
 @dataclass
@@ -38,19 +39,23 @@ class ReplayTable:
                    at any recorded position can be checked at every drafted depth.
     top_log_probs: [P, D, K] float32, best first: top-K of log_softmax(draft logits) per depth, for
                    the round starting at position g < P (bonus = tokens[g]); D = block_size - 1.
-    top_ids:       [P, D, K] int32, the token ids of those entries.
+                   None for a DFlash2 drafter (its distributions are ``transitions``).
+    top_ids:       [P, D, K] int32, the token ids of those entries (DFlash2: each depth's candidates).
     chain_matches: [P] long, how many leading greedy drafter guesses (argmax of the raw logits, as
-                   DFlash drafts) equal the continuation.
+                   DFlash drafts; DFlash2: the selector's greedy walk) equal the continuation.
+    transitions:   DFlash2 only: [P, D, K, K] float32, the selector's log-probs of each depth's
+                   candidates after each candidate of the depth before (``workers.seam.Lattice``).
     """
 
     tokens: list[int]
-    top_log_probs: torch.Tensor
+    top_log_probs: torch.Tensor | None
     top_ids: torch.Tensor
     chain_matches: torch.Tensor
     max_new_tokens: int
     stop_token_ids: tuple[int, ...]
     vocab_size: int
     prompt_length: int = 0  # the prompt's tokens (the cost model prices a round at its context length)
+    transitions: torch.Tensor | None = None
     # (g, max_depth, branching, ceiling) -> node indices of the AR path in the ceiling-budget tree
     _paths: dict[tuple, list[int]] = field(default_factory=dict, repr=False)
 
@@ -66,13 +71,13 @@ class ReplayTable:
         return {"tokens": self.tokens, "top_log_probs": self.top_log_probs, "top_ids": self.top_ids,
                 "chain_matches": self.chain_matches, "max_new_tokens": self.max_new_tokens,
                 "stop_token_ids": list(self.stop_token_ids), "vocab_size": self.vocab_size,
-                "prompt_length": self.prompt_length}
+                "prompt_length": self.prompt_length, "transitions": self.transitions}
 
     @classmethod
     def from_dict(cls, data: dict) -> ReplayTable:
         return cls(data["tokens"], data["top_log_probs"], data["top_ids"], data["chain_matches"],
                    int(data["max_new_tokens"]), tuple(data["stop_token_ids"]), int(data["vocab_size"]),
-                   int(data.get("prompt_length", 0)))
+                   int(data.get("prompt_length", 0)), data.get("transitions"))
 
 
 @torch.inference_mode()
@@ -81,7 +86,8 @@ def record(target, drafter, prompt_ids: torch.Tensor, config: GenerationConfig, 
 
     The AR run ignores stop tokens until block_size - 1 tokens past the end, since a round may
     accept (and count) drafted tokens beyond a stop or the token limit before the output is cut.
-    ``top_k`` entries are kept per depth (the most any tree setting of the sweep reads).
+    ``top_k`` entries are kept per depth (the most any tree setting of the sweep reads; a DFlash2
+    drafter's lattice keeps its own candidates).
     """
     block = drafter.block_size
     depth = block - 1
@@ -111,29 +117,38 @@ def record(target, drafter, prompt_ids: torch.Tensor, config: GenerationConfig, 
     mask_id = drafter.spec.mask_token_id
     vocab = lm_head.out_features  # (a tensor-parallel lm_head holds fewer rows but gives all V logits)
     k = min(top_k, vocab)
-    top_vals, top_ids, matches = [], [], []
+    lattice = drafter.spec.selector is not None  # a DFlash2 drafter: candidates and transitions
+    if lattice:
+        k = drafter.spec.selector.selector_top_k
+    top_vals, top_ids, transitions, matches = [], [], [], []
     continuation = torch.tensor(tokens, dtype=torch.long)
     new_context = prefill.taps  # [1, T, k*H]
     for g in range(starts):
         block_ids = torch.full((1, block), mask_id, dtype=torch.long, device=embed.weight.device)
         block_ids[0, 0] = tokens[g]
         hidden = drafter(embed(block_ids).to(drafter.fc.weight.device), new_context, cache)  # [1, block, H]
-        logits = lm_head(hidden[0, 1:].to(lm_head.weight.device))  # [D, V]
-        values, ids = torch.topk(torch.log_softmax(logits.float(), dim=-1), k=k, dim=-1)  # [D, K]
-        top_vals.append(values.cpu())
-        top_ids.append(ids.to(torch.int32).cpu())  # int32: the table crosses Ray to the driver
-        guesses = logits.argmax(dim=-1).cpu()  # DFlash's chain: argmax of the raw logits
+        draft = drafter.propose(hidden[0, 1:], lm_head, block_ids[0, :1])  # logits [D, V] or a Lattice
+        if lattice:
+            top_ids.append(draft.tokens.to(torch.int32).cpu())  # int32: the table crosses Ray to the driver
+            transitions.append(draft.log_probs.float().cpu())
+            guesses = draft.greedy.cpu()  # DFlash2's chain: the selector's greedy walk
+        else:
+            values, ids = torch.topk(torch.log_softmax(draft.float(), dim=-1), k=k, dim=-1)  # [D, K]
+            top_vals.append(values.cpu())
+            top_ids.append(ids.to(torch.int32).cpu())
+            guesses = draft.argmax(dim=-1).cpu()  # DFlash's chain: argmax of the raw logits
         matches.append(int((guesses == continuation[g + 1 : g + 1 + depth]).int().cumprod(0).sum()))
         new_context = taps[g]
     return ReplayTable(
         tokens=tokens,
-        top_log_probs=torch.stack(top_vals) if top_vals else torch.empty(0, depth, k),
+        top_log_probs=None if lattice else (torch.stack(top_vals) if top_vals else torch.empty(0, depth, k)),
         top_ids=torch.stack(top_ids) if top_ids else torch.empty(0, depth, k, dtype=torch.int32),
         chain_matches=torch.tensor(matches, dtype=torch.long),
         max_new_tokens=config.max_new_tokens,
         stop_token_ids=tuple(config.stop_token_ids),
         vocab_size=int(vocab),
         prompt_length=int(prompt_ids.shape[1]),
+        transitions=(torch.stack(transitions) if transitions else torch.empty(0, depth, k, k)) if lattice else None,
     )
 
 
@@ -179,9 +194,14 @@ def tree_path(table: ReplayTable, g: int, max_depth: int, branching: int | None,
     key = (g, max_depth, branching, ceiling)
     if key not in table._paths:
         params = TreeParams(budget=ceiling, max_depth=max_depth, branching=branching)
-        log_probs = table.top_log_probs[g, :max_depth]  # [D, K]: topk of this keeps the engine's order
-        tree = build_tree(log_probs, params)
-        real_tokens = table.top_ids[g, tree.depths - 1, tree.tokens].long()  # table column -> vocab id
+        if table.transitions is not None:  # DFlash2: the engine's own lattice tree
+            candidates = table.top_ids[g, :max_depth].long()  # (greedy is not read by the tree)
+            tree = build_lattice_tree(Lattice(candidates, table.transitions[g, :max_depth], candidates[:, 0]), params)
+            real_tokens = tree.tokens  # a lattice tree's nodes carry vocab ids
+        else:
+            log_probs = table.top_log_probs[g, :max_depth]  # [D, K]: topk of this keeps the engine's order
+            tree = build_tree(log_probs, params)
+            real_tokens = table.top_ids[g, tree.depths - 1, tree.tokens].long()  # table column -> vocab id
         depths = torch.cat((torch.zeros(1, dtype=torch.long), tree.depths))
         continuation = torch.tensor(table.tokens[g + 1 : g + 2 + max_depth], dtype=torch.long)
         # the target's choice after a node at depth d on the AR path is continuation[d]; off the path
@@ -198,7 +218,7 @@ def ddtree_lengths(table: ReplayTable, params: TreeParams, block_size: int, ceil
     depth = block_size - 1 if params.max_depth is None else params.max_depth
     ceiling = max(ceiling or params.budget, params.budget)
     width = min(ceiling, params.branching or ceiling)
-    if width > table.top_k and table.top_k < table.vocab_size:
+    if table.transitions is None and width > table.top_k and table.top_k < table.vocab_size:
         raise ValueError(f"replay table keeps top-{table.top_k} per depth; this setting reads top-{width}")
     return _simulate(table, lambda g: sum(1 for node in tree_path(table, g, depth, params.branching, ceiling)
                                           if node <= params.budget))

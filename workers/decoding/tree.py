@@ -22,7 +22,7 @@ import torch
 
 from workers.decoding.params import TreeParams
 from workers.models.kernels import triton_available
-from workers.seam import DraftTree
+from workers.seam import Draft, DraftTree, Lattice
 
 
 def build_tree(draft_log_probs: torch.Tensor, params: TreeParams, kernels: bool | None = None) -> DraftTree:
@@ -60,9 +60,55 @@ def build_tree(draft_log_probs: torch.Tensor, params: TreeParams, kernels: bool 
         levels.append((scores, parent[best] + parent_offset, top_ids[depth, rank[best]], depths))
         parent_offset, next_offset = next_offset, next_offset + best.numel()
 
-    # Merge the depths: entries in depth order, each depth best first, then a stable sort by score.
+    return _merge_levels(levels, params.budget, depth_limit)
+
+
+def build_lattice_tree(lattice: Lattice, params: TreeParams) -> DraftTree:
+    """A DFlash2 drafter's ``Lattice`` -> DraftTree: the ``budget`` most probable walks from the anchor,
+    a walk's log-prob the sum of the selector's log-probs along it (each candidate's given the one
+    before it), at most ``max_depth`` deep and ``branching`` children a node.
+
+    The same construction as ``build_tree`` (the best prefixes of depth d extend the best of depth
+    d - 1; one sort per depth, one merge), where a child's log-prob now depends on its parent's
+    candidate: every kept prefix carries its candidate's index as its state. Ties break as there:
+    the shallower prefix, then the better-placed parent, then the better child (then the better logit).
+    """
+    num_positions, top_k = lattice.tokens.shape
+    device = lattice.tokens.device
+    depth_limit = num_positions if params.max_depth is None else min(params.max_depth, num_positions)
+    width = min(top_k, params.budget, params.branching or top_k)
+    # every parent state's children, best first: [D, K (parent), width]
+    child_vals, child_of = torch.sort(lattice.log_probs[:depth_limit].double(), dim=-1, descending=True, stable=True)
+    child_vals, child_of = child_vals[..., :width], child_of[..., :width]
+    scores = torch.zeros(1, dtype=torch.float64, device=device)  # the root
+    states = torch.zeros(1, dtype=torch.long, device=device)  # the root's row: at depth 1 every row is the anchor's
+    parent_offset, next_offset = -1, 0
+    levels = []
+    for depth in range(depth_limit):
+        candidates = (scores[:, None] + child_vals[depth, states]).reshape(-1)  # [kept x width], parent-major
+        best = torch.sort(candidates, descending=True, stable=True).indices[: params.budget]
+        parent, rank = best // width, best % width
+        states = child_of[depth, states[parent], rank]
+        scores = candidates[best]
+        levels.append((scores, parent + parent_offset, lattice.tokens[depth, states], torch.full_like(best, depth + 1)))
+        parent_offset, next_offset = next_offset, next_offset + best.numel()
+    return _merge_levels(levels, params.budget, depth_limit)
+
+
+def build_draft_tree(draft: Draft, params: TreeParams) -> DraftTree:
+    """The tree of a drafter pass's proposal: DFlash's draft logits (``build_tree`` of their
+    log-softmax) or DFlash2's lattice (``build_lattice_tree``)."""
+    if isinstance(draft, Lattice):
+        return build_lattice_tree(draft, params)
+    return build_tree(torch.log_softmax(draft.float(), dim=-1), params)
+
+
+def _merge_levels(levels: list[tuple[torch.Tensor, ...]], budget: int, depth_limit: int) -> DraftTree:
+    """Per depth (score, parent entry, token, depth), best first -> the tree of the ``budget`` best
+    entries: entries in depth order, then a stable sort by score."""
+    device = levels[0][0].device
     all_scores, parent_entry, tokens, depth_of = (torch.cat(column) for column in zip(*levels))
-    order = torch.sort(all_scores, descending=True, stable=True).indices[: params.budget]  # node i+1 = entry order[i]
+    order = torch.sort(all_scores, descending=True, stable=True).indices[:budget]  # node i+1 = entry order[i]
     # entry -> node index (1..n), shifted by one so that the root's entry -1 maps to node 0
     node_of = torch.zeros(all_scores.numel() + 1, dtype=torch.long, device=device)
     node_of[order + 1] = torch.arange(1, order.numel() + 1, device=device)

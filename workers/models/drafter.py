@@ -103,6 +103,12 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
+    def block_step(self, hidden: torch.Tensor, block_rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
+                   values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The block's hidden states [1, b, H] through this layer (context K/V already in keys/values)."""
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), block_rope, keys, values, mask)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
 
 class DFlashDrafter(nn.Module):
     """Parameter names match the z-lab safetensors keys exactly, so state dicts load as they are."""
@@ -111,11 +117,14 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         cfg = spec.qwen3_config
         self.spec = spec
-        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self._new_layer() for _ in range(cfg.num_hidden_layers))
         self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.fc = nn.Linear(len(spec.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config=cfg)
+
+    def _new_layer(self) -> nn.Module:
+        return DrafterLayer(self.spec.qwen3_config)
 
     @property
     def block_size(self) -> int:
@@ -167,10 +176,8 @@ class DFlashDrafter(nn.Module):
                 keys[:, :, ctx_start:block_start] = k_ctx
                 values[:, :, ctx_start:block_start] = v_ctx
             first, mask = reach[self.spec.layer_attention[index]]
-            attn = layer.self_attn(layer.input_layernorm(hidden), block_rope, keys[:, :, first:block_start],
-                                   values[:, :, first:block_start], mask)
-            hidden = hidden + attn
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = layer.block_step(hidden, block_rope, keys[:, :, first:block_start],
+                                      values[:, :, first:block_start], mask)
         cache.length = block_start
         return self.norm(hidden)
 
@@ -196,9 +203,14 @@ class DFlashDrafter(nn.Module):
             k_ctx, v_ctx = layer.self_attn.key_value(context, *ctx_rope)
             keys.index_copy_(2, positions[0, :num_new], k_ctx)
             values.index_copy_(2, positions[0, :num_new], v_ctx)
-            hidden = hidden + layer.self_attn(layer.input_layernorm(hidden), block_rope, keys, values, masks[index])
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = layer.block_step(hidden, block_rope, keys, values, masks[index])
         return self.norm(hidden)
+
+    def propose(self, hidden: torch.Tensor, lm_head: nn.Module, anchor: torch.Tensor) -> torch.Tensor:
+        """What a pass proposes from the block's draft rows ``hidden`` [n, H] (after the anchor): the
+        draft logits [n, V] (the target's lm_head). ``anchor``: the block's first token [1] (DFlash2's
+        selector reads it)."""
+        return lm_head(hidden.to(lm_head.weight.device))
 
 
 def attention_mask(kind: LayerAttention, query_positions: torch.Tensor, key_positions: torch.Tensor,

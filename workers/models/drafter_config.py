@@ -23,6 +23,7 @@ from workers.errors import CheckpointMismatchError
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURE_2 = "DFlash2DraftModel"  # DFlash2: dynamic convolutions and a candidate selector (SelectorSpec)
 
 # dflash_config keys this project reads; any other key is refused (it may change the arithmetic)
 DFLASH_FIELDS = frozenset({
@@ -32,8 +33,27 @@ DFLASH_FIELDS = frozenset({
     # accepted only at their neutral values (checked in _refuse_unsupported)
     "attention_sink_bias", "use_aux_hidden_state", "input_embedding_scale", "output_multiplier",
     "final_logit_softcapping", "target_hidden_size",
+    "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",  # DFlash2 only (SelectorSpec)
 })
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+@dataclass(frozen=True)
+class SelectorSpec:
+    """What a DFlash2 drafter adds to a DFlash one (``workers.models.drafter2``).
+
+    conv_kernel_size:  taps of the grouped dynamic causal convolutions around every layer's attention
+                       and MLP (the current position and the ones before it, inside the block);
+    conv_group_size:   channels sharing one dynamic coefficient (hidden_size / group_size groups);
+    selector_rank:     width of the predecessor / successor codebooks and the hidden projection;
+    selector_top_k:    candidates per draft position (the lm_head's top-k), among which the selector
+                       walks the chain and the tree branches.
+    """
+
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -135,6 +155,7 @@ class DrafterSpec:
     hidden_size: int
     qwen3_config: Qwen3Config  # the layer shapes, norms and RoPE settings
     layer_attention: tuple[LayerAttention, ...]  # one per layer
+    selector: SelectorSpec | None = None  # a DFlash2 drafter's convolutions and selector; None: DFlash v1
 
     @classmethod
     def from_config_file(cls, config_path: Path) -> DrafterSpec:
@@ -197,6 +218,16 @@ class DrafterSpec:
         causal = dflash.get("causal", dflash.get("is_causal", raw.get("is_causal")))
         if causal is not None and not isinstance(causal, bool):
             raise CheckpointMismatchError(f"{source}: 'causal' / 'is_causal' must be true or false, got {causal!r}")
+        selector = None
+        if ARCHITECTURE_2 in (raw.get("architectures") or []):
+            selector = SelectorSpec(*(fields.integer(name) for name in DFLASH2_FIELDS))
+            for name in DFLASH2_FIELDS:
+                if getattr(selector, name) < 1:
+                    raise CheckpointMismatchError(f"{source}: '{fields.name(name)}' must be >= 1")
+            if hidden_size % selector.conv_group_size:
+                raise CheckpointMismatchError(
+                    f"{source}: '{fields.name('conv_group_size')}' {selector.conv_group_size} does not divide "
+                    f"hidden_size {hidden_size}")
         return cls(
             block_size=block_size,
             mask_token_id=mask_token_id,
@@ -205,7 +236,13 @@ class DrafterSpec:
             hidden_size=hidden_size,
             qwen3_config=qwen3_config,
             layer_attention=resolve_layer_attention(layer_types, use_swa, causal, window, source),
+            selector=selector,
         )
+
+    @property
+    def kind(self) -> str:
+        """"dflash2" for a DFlash2 drafter (selector and convolutions), else "dflash"."""
+        return "dflash" if self.selector is None else "dflash2"
 
     def check_fits(self, target_config: Any, embedding_rows: int, source: str) -> None:
         """Refuse a drafter built for another target, naming the field that disagrees."""
@@ -226,6 +263,11 @@ class DrafterSpec:
             raise CheckpointMismatchError(
                 f"{source}: num_target_layers {self.num_target_layers} does not match the target's "
                 f"{target_layers} layers (this drafter was built for another target)"
+            )
+        if self.selector is not None and self.selector.selector_top_k > embedding_rows:
+            raise CheckpointMismatchError(
+                f"{source}: dflash_config.selector_top_k {self.selector.selector_top_k} exceeds the target's "
+                f"vocabulary of {embedding_rows}"
             )
         if not 0 <= self.mask_token_id < embedding_rows:
             raise CheckpointMismatchError(
@@ -269,16 +311,17 @@ def _refuse_unsupported(raw: dict[str, Any], dflash: dict[str, Any], source: str
         return dflash.get(field, raw.get(field))
 
     architectures = raw.get("architectures") or []
-    if "DFlash2DraftModel" in architectures or any(f in dflash or f in raw for f in DFLASH2_FIELDS):
+    unknown = [a for a in architectures if a not in (ARCHITECTURE, ARCHITECTURE_2)]
+    if unknown or len(architectures) > 1:
         raise CheckpointMismatchError(
-            f"{source}: a DFlash2 drafter (architecture DFlash2DraftModel: candidate selector and dynamic "
-            "convolutions) is not supported yet; only DFlash v1 drafters (DFlashDraftModel) run here"
+            f"{source}: architectures {architectures} are not a DFlash drafter this project implements (expected "
+            f"['{ARCHITECTURE}'] or ['{ARCHITECTURE_2}'])"
         )
-    unknown = [a for a in architectures if a != ARCHITECTURE]
-    if unknown:
+    stray = [f for f in DFLASH2_FIELDS if f in dflash or f in raw]
+    if stray and ARCHITECTURE_2 not in architectures:  # convolutions or a selector on a DFlash v1 drafter
         raise CheckpointMismatchError(
-            f"{source}: architectures {unknown} are not a DFlash drafter this project implements (expected "
-            f"['{ARCHITECTURE}'])"
+            f"{source}: {stray[0]} is a DFlash2 field, but architectures is {architectures or 'not given'} "
+            f"(a DFlash2 drafter declares ['{ARCHITECTURE_2}'])"
         )
     if raw.get("model_type", "qwen3") != "qwen3":
         raise CheckpointMismatchError(

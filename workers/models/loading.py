@@ -15,6 +15,7 @@ from torch import nn
 
 from workers.errors import BadInputError, CheckpointMismatchError, UnsupportedModelError
 from workers.models.drafter import DFlashDrafter
+from workers.models.drafter2 import drafter_for
 from workers.models.drafter_config import DrafterSpec
 from workers.models.sources import ModelSource, local_only
 from workers.seam import check_supported
@@ -279,7 +280,8 @@ def load_drafter(
     device: torch.device | str | None = None,
     local_files_only: bool = False,
 ) -> DFlashDrafter:
-    """Load a z-lab drafter checkpoint into DFlashDrafter, checked against the target.
+    """Load a z-lab drafter checkpoint into DFlashDrafter (DFlash2Drafter for a DFlash2 one), checked
+    against the target.
 
     The drafter takes the target's dtype and, unless told otherwise, the device of the target's
     lm_head (it feeds that lm_head every round). ``random:<shape>`` builds a random-weight drafter
@@ -301,7 +303,7 @@ def load_drafter(
     embeddings = target.get_input_embeddings().weight
     spec.check_fits(target.config, embedding_rows=embeddings.shape[0], source=str(config_path))
 
-    drafter = DFlashDrafter(spec)
+    drafter = drafter_for(spec)
     weights = _read_weights(folder)
     if weights and all(key.startswith("model.") for key in weights):
         weights = {key.removeprefix("model."): value for key, value in weights.items()}

@@ -223,11 +223,11 @@ def _layers_in(name: str, num_layers: int) -> range | list[int]:
 
 
 def drafter_bytes_for(spec, dtype: torch.dtype) -> int:
-    """Weight bytes of a DFlash drafter from its ``DrafterSpec`` (built on the meta device)."""
-    from workers.models.drafter import DFlashDrafter
+    """Weight bytes of a DFlash (or DFlash2) drafter from its ``DrafterSpec`` (built on the meta device)."""
+    from workers.models.drafter2 import drafter_for
 
     with torch.device("meta"):
-        drafter = DFlashDrafter(spec)
+        drafter = drafter_for(spec)
     element = torch.empty((), dtype=dtype).element_size()
     return sum(p.numel() for p in drafter.parameters()) * element
 

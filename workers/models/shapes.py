@@ -8,7 +8,8 @@ Sources: Qwen3-8B and its DFlash drafter (5 layers, block 16, target_layer_ids [
 as in FIELD_NOTES; Qwen3.6-27B as published for Qwen3.5-27B (64 layers, every 4th full attention,
 hidden 5120, 24 heads / 4 KV heads of 256 with a quarter rotary, Gated DeltaNet with 16 key and 48
 value heads of 128, conv kernel 4, vocab 248320, untied) and its drafter as published
-(z-lab/Qwen3.6-27B-DFlash: 5 layers of 32 heads / 8 KV heads of 128, 4 sliding + 1 full, window 2048).
+(z-lab/Qwen3.6-27B-DFlash: 5 layers of 32 heads / 8 KV heads of 128, 4 sliding + 1 full, window 2048);
+Qwen3.8-27B (the same architecture) with its DFlash2 drafter as published (z-lab/Qwen3.8-27B-DFlash2).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ TARGETS: dict[str, dict] = {
         "tie_word_embeddings": False,
     },
 }
+TARGETS["qwen3.8-27b"] = TARGETS["qwen3.6-27b"]  # the same hybrid architecture (FIELD_NOTES 13)
 # Smoke-test sizes of the same layouts (4 layers, width 256): quick on a CPU, same code paths.
 _MINI = {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
@@ -78,6 +80,17 @@ DRAFTERS: dict[str, dict] = {
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0},
         "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]},
     },
+    # DFlash2 (z-lab/Qwen3.8-27B-DFlash2; FIELD_NOTES 13): five non-causal sliding-window layers with the
+    # dynamic convolutions, block 8, its own taps, and the candidate selector
+    "qwen3.8-27b": {
+        "architectures": ["DFlash2DraftModel"],
+        "num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "intermediate_size": 17408, "layer_types": [SLIDING] * 5, "is_causal": False,
+        "use_sliding_window": True, "sliding_window": 2048, "max_window_layers": 5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0},
+        "dflash_config": {"block_size": 8, "mask_token_id": 248070, "target_layer_ids": [5, 19, 33, 47, 61],
+                          "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16},
+    },
 }
 # the mini shapes' drafters keep the layout (the 27B's a window short enough to bind on a CPU smoke run)
 _MINI_DRAFTER = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512,
@@ -85,6 +98,9 @@ _MINI_DRAFTER = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim":
                                    "target_layer_ids": default_target_layer_ids(4, 5)}}
 DRAFTERS["qwen3-mini"] = DRAFTERS["qwen3-8b"] | _MINI_DRAFTER
 DRAFTERS["qwen3.6-mini"] = DRAFTERS["qwen3.6-27b"] | _MINI_DRAFTER | {"sliding_window": 64}
+TARGETS["qwen3.8-mini"] = TARGETS["qwen3.6-mini"]
+DRAFTERS["qwen3.8-mini"] = DRAFTERS["qwen3.8-27b"] | _MINI_DRAFTER | {"sliding_window": 64, "dflash_config": {
+    **DRAFTERS["qwen3.8-27b"]["dflash_config"], **_MINI_DRAFTER["dflash_config"], "selector_rank": 32}}
 
 
 def target_config(name: str):
@@ -124,8 +140,8 @@ def build_random_target(name: str, dtype: torch.dtype, device: torch.device):
 
 
 def build_random_drafter(name: str, target):
-    """A DFlash drafter of the named target shape with random weights, beside the target's lm_head."""
-    from workers.models.drafter import DFlashDrafter
+    """A DFlash (or DFlash2) drafter of the named target shape with random weights, beside the target's lm_head."""
+    from workers.models.drafter2 import drafter_for
     from workers.models.drafter_config import DrafterSpec
 
     spec = DrafterSpec.from_dict(drafter_config(name), source=f"random:{name}")
@@ -133,5 +149,9 @@ def build_random_drafter(name: str, target):
                     source=f"random:{name}")
     lm_head = target.get_output_embeddings().weight
     with torch.device(lm_head.device):
-        drafter = DFlashDrafter(spec)
+        drafter = drafter_for(spec)
+        if spec.selector is not None:  # codebooks start at zero (the selector would rank by logit alone)
+            for codebook in (drafter.candidate_selector.predecessor_codebook,
+                             drafter.candidate_selector.successor_codebook):
+                torch.nn.init.normal_(codebook, std=0.02)
     return drafter.to(dtype=lm_head.dtype).eval()

@@ -2,7 +2,8 @@
 
 Float32 on CPU with the tiny random checkpoints from ``conftest``: Qwen3 targets (vocab 32 / block 8,
 and vocab 6 / block 6 where drafts are accepted often) and the hybrids (Qwen3.5 at vocab 6 / block 6,
-Qwen3-Next with MoE at vocab 32 / block 8), whose Gated DeltaNet state must fork per tree node. Every run also goes
+Qwen3-Next with MoE at vocab 32 / block 8), whose Gated DeltaNet state must fork per tree node; and
+DFlash2 drafters on a Qwen3 target and a Qwen3.5 hybrid (vocab 6 / block 6). Every run also goes
 through ``check_run``, which checks
 the bookkeeping every engine shares (round lengths within their bound, the bonus counted, only the
 last round cut short by a stop or the token limit). Runs are logged in ``RUN_LOG`` so the last
@@ -26,10 +27,13 @@ from workers.models.reference import AttentionTarget
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # attention-only Qwen3 targets, then hybrids (Qwen3.5 and Qwen3-Next: Gated DeltaNet + attention)
-FIXTURES = ("tiny", "tiny_small_vocab", "tiny_hybrid", "tiny_next")
+# and DFlash2 drafters (selector chains and lattice trees) on a Qwen3 target and a Qwen3.5 hybrid
+FIXTURES = ("tiny", "tiny_small_vocab", "tiny_hybrid", "tiny_next", "tiny_dflash2", "tiny_hybrid_dflash2")
 # must match conftest (checked in models())
-BLOCK = {"tiny": 8, "tiny_small_vocab": 6, "tiny_hybrid": 6, "tiny_next": 8}
-VOCAB = {"tiny": 32, "tiny_small_vocab": 6, "tiny_hybrid": 6, "tiny_next": 32}
+BLOCK = {"tiny": 8, "tiny_small_vocab": 6, "tiny_hybrid": 6, "tiny_next": 8, "tiny_dflash2": 6,
+         "tiny_hybrid_dflash2": 6}
+VOCAB = {"tiny": 32, "tiny_small_vocab": 6, "tiny_hybrid": 6, "tiny_next": 32, "tiny_dflash2": 6,
+         "tiny_hybrid_dflash2": 6}
 ATTENTION_FIXTURES = ("tiny", "tiny_small_vocab")
 
 PROMPT_LENGTHS = (1, 20, 7, 13, 3, 16, 10, 5, 2, 18, 9, 12)  # random prompts of lengths 1..20

@@ -60,18 +60,21 @@ def test_replay_predicts_the_engines_rounds(request, name):
                 measured = _engine_lengths(tiny, engine, prompt, config, params)
                 assert _predicted(table, engine, params, BLOCK[name]) == measured, (engine, params, index)
                 multi += any(length > 1 for length in measured)
-    if name in ("tiny_small_vocab", "tiny_hybrid"):  # vocab 6: drafts are accepted, the check is not vacuous
+    if name in ("tiny_small_vocab", "tiny_hybrid", "tiny_dflash2", "tiny_hybrid_dflash2"):  # vocab 6: drafts
+        # are accepted, the check is not vacuous
         assert multi >= 4, multi
 
 
-def test_budget_nesting_equals_trees_of_their_own_budget(tiny_small_vocab):
-    """A ceiling-budget tree's first B nodes are the budget-B tree (what lets one build serve all)."""
-    tiny = tiny_small_vocab
-    table = replay.record(tiny.target, tiny.drafter, prompts("tiny_small_vocab")[3], GenerationConfig(24), top_k=64)
+@pytest.mark.parametrize("name", ["tiny_small_vocab", "tiny_dflash2"])
+def test_budget_nesting_equals_trees_of_their_own_budget(request, name):
+    """A ceiling-budget tree's first B nodes are the budget-B tree (what lets one build serve all),
+    DFlash2's lattice trees too."""
+    tiny = models(request, name)
+    table = replay.record(tiny.target, tiny.drafter, prompts(name)[3], GenerationConfig(24), top_k=64)
     for budget in (1, 2, 5, 16, 63):
         for params in (TreeParams(budget), TreeParams(budget, 3, 2)):
-            own = replay.ddtree_lengths(table, params, BLOCK["tiny_small_vocab"])
-            assert replay.ddtree_lengths(table, params, BLOCK["tiny_small_vocab"], ceiling=64) == own
+            own = replay.ddtree_lengths(table, params, BLOCK[name])
+            assert replay.ddtree_lengths(table, params, BLOCK[name], ceiling=64) == own
 
 
 def test_a_table_too_narrow_for_the_setting_is_refused(tiny):

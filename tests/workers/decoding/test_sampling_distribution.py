@@ -43,6 +43,11 @@ CASES = {
     "ddtree-B20-K2-T1.0": ("ddtree", TreeParams(20, branching=2), 1.0, 800, 300_000),
     "ddtree-B20-K2-T0.7": ("ddtree", TreeParams(20, branching=2), 0.7, 600, 400_000),
 }
+# the same with a DFlash2 drafter (its selector's chain and lattice trees) on the same kind of target
+DFLASH2_CASES = {
+    "dflash2-T1.0": ("dflash", DFlashParams(), 1.0, 800, 600_000),
+    "dflash2-ddtree-B20-K2-T1.0": ("ddtree", TreeParams(20, branching=2), 1.0, 800, 700_000),
+}
 ENGINES = {"ar": ar.generate, "dflash": dflash.generate, "ddtree": ddtree.generate}
 
 
@@ -125,7 +130,7 @@ class Sampler:
         """Samples of case ``name``; with ``target`` (a broken stand-in) fresh ones, not remembered."""
         if target is None and name in self.samples:
             return self.samples[name]
-        engine, params, temperature, default_count, seed_base = CASES[name]
+        engine, params, temperature, default_count, seed_base = (CASES | DFLASH2_CASES)[name]
         count = count or default_count
         drafter = None if engine == "ar" else self.tiny.drafter
         out, multi = [], 0
@@ -154,6 +159,11 @@ def exact(tiny_small_vocab) -> dict[float, np.ndarray]:
     return {t: exact_distribution(tiny_small_vocab.model, prompt, t) for t in (1.0, 0.7)}
 
 
+@pytest.fixture(scope="module")
+def dflash2_sampler(tiny_dflash2) -> Sampler:
+    return Sampler(tiny_dflash2)
+
+
 # --- tests --------------------------------------------------------------------------------------------
 
 
@@ -178,6 +188,15 @@ def test_samples_follow_the_ar_distribution(sampler, exact, name):
     assert p_value > ALPHA, f"{name}: chi-square p = {p_value:.2e} over {count} samples"
     if engine != "ar":  # drafted tokens really were accepted, so the acceptance rule was exercised
         assert sampler.multi_token_runs[name] >= 0.2 * count, sampler.multi_token_runs[name]
+
+
+@pytest.mark.parametrize("name", list(DFLASH2_CASES))
+def test_dflash2_samples_follow_the_ar_distribution(dflash2_sampler, name):
+    _, _, temperature, count, _ = DFLASH2_CASES[name]
+    exact = exact_distribution(dflash2_sampler.tiny.model, dflash2_sampler.prompt, temperature)
+    p_value = goodness_of_fit(dflash2_sampler.draw(name), exact)
+    assert p_value > ALPHA, f"{name}: chi-square p = {p_value:.2e} over {count} samples"
+    assert dflash2_sampler.multi_token_runs[name] >= 0.2 * count, dflash2_sampler.multi_token_runs[name]
 
 
 def test_negative_controls_are_rejected(sampler, exact):
