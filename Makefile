@@ -12,11 +12,18 @@
 #   make lint   - ruff: pyflakes, import order, line length (CI runs it before the tests)
 # TORCH picks the torch requirement: the default is the CPU build; on a CUDA machine use TORCH=torch.
 # README.md gives each target's time on a 2-core machine.
+# The suite runs in WORKERS pytest processes (pytest-xdist), a test file to each at a time (--dist
+# loadfile: a file's shared sweeps and Ray clusters are built once). Most of its time is sweeps in
+# subprocesses (start-up, Ray, actors, much of it waiting), so two at a time finish well before one
+# at a time on a 2-core machine (README.md). Each test process and its children use one torch thread
+# (OMP_NUM_THREADS=1): the tiny test models gain nothing from intra-op threads, which would contend.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 KERNELS := .triton
+WORKERS ?= 2
+PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(WORKERS) --dist loadfile
 
 .PHONY: install demo test test-fast test-gpu test-kernels lint
 
@@ -45,10 +52,10 @@ demo: install
 	$(PY) -m orchestrator.report sweeps/demo.yaml
 
 test: install
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 test-fast: install
-	$(PY) -m pytest -q -m "not sweep and not slow"
+	$(PYTEST) -m "not sweep and not slow"
 
 test-gpu: install
 	$(PY) -m pytest -q -m gpu tests/workers

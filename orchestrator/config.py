@@ -647,7 +647,7 @@ def check_against_block(config: SweepConfig, block_size: int | None, source: str
 
 def thinking_warning(config: SweepConfig) -> str | None:
     """A warning when the sweep turns thinking on with a drafter that does not declare it."""
-    from workers.models.loading import thinking_warning as warning_for
+    from workers.models.facts import thinking_warning as warning_for
 
     return warning_for(config.drafter.model if config.drafter else None, config.prompts.enable_thinking)
 
@@ -667,7 +667,7 @@ def widest_verify(config: SweepConfig, block_size: int | None) -> int:
 def check_models(config: SweepConfig, spec, source: str):
     """The target's facts (None for a hub id not downloaded yet), checked to be a model we run, and the
     drafter's spec against it (hidden size, taps, layers, mask token), before anything is created."""
-    from workers.models.loading import target_facts
+    from workers.models.facts import target_facts
 
     try:
         facts = target_facts(config.target.model)

@@ -27,6 +27,7 @@ from ray.util.placement_group import PlacementGroup
 from orchestrator import tp_group
 from orchestrator.config import SweepConfig
 from orchestrator.tp_group import GroupError, GroupPlan, RankGroup
+from workers.decoding.params import MethodParams
 from workers.errors import BadInputError, TrialStopped
 from workers.metrics import summarize
 from workers.models.sources import local_only
@@ -82,7 +83,7 @@ class GenerationActor:
     def replay_tables(self, spec: TrialSpec, top_k: int) -> list[dict[str, Any]]:
         return self._run("replay_tables", spec, top_k)
 
-    def measure_costs(self, spec: TrialSpec, settings: list[dict[str, Any]]) -> dict[str, Any]:
+    def measure_costs(self, spec: TrialSpec, settings: list[MethodParams]) -> dict[str, Any]:
         return self._run("measure_costs", spec, settings)
 
     # -- early stopping: per-prompt reports, streamed ----------------------------------------------

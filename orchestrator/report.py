@@ -499,4 +499,6 @@ def _cell(value) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from orchestrator.sweep import exit_now
+
+    exit_now(main())

@@ -163,5 +163,20 @@ def _main(argv: list[str] | None, signals) -> int:
         return EXIT_BUSY
 
 
+def exit_now(code: int) -> None:
+    """End the process with ``code`` once the output is flushed, skipping the interpreter's teardown.
+
+    By the time ``main`` returns every store is written and closed (trials committed, runs ended, Ray
+    shut down); what is left is freeing the modules of torch, transformers, MLflow and SQLAlchemy,
+    which took 2-3 s of every run on a 2-core machine and does nothing a later run can see."""
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

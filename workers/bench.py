@@ -171,7 +171,7 @@ def _bench_rank(tp, args: argparse.Namespace, params: MethodParams):
 
 def _bench(args: argparse.Namespace, params: MethodParams, tp=None):
     """Load and run the trial: ("result", TrialResult) or ("bad_input", message). ``tp``: this rank."""
-    from workers.models.loading import thinking_warning
+    from workers.models.facts import thinking_warning
     from workers.models.sources import check_model_available
     from workers.prompts import PromptSource, load_source
     from workers.wire import TrialSpec, WorkerConfig

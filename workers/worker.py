@@ -40,14 +40,8 @@ from workers.memory import MemoryTracer, reset_and_empty_cache
 from workers.metrics import acceptance_histogram, median_run, per_category, summarize
 from workers.models.drafter import DFlashDrafter
 from workers.models.drafter_config import DrafterSpec
-from workers.models.loading import (
-    Placement,
-    load_drafter,
-    load_target,
-    load_tokenizer,
-    parse_dtype,
-    resolve_checkpoint_dir,
-)
+from workers.models.facts import load_tokenizer
+from workers.models.loading import Placement, load_drafter, load_target, parse_dtype, resolve_checkpoint_dir
 from workers.models.placement import drafter_bytes_for
 from workers.models.sources import ModelSource
 from workers.models.static_target import make_target

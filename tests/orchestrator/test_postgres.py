@@ -76,7 +76,7 @@ def test_a_second_driver_on_a_postgresql_study_is_refused(tiny_dir, tmp_path, po
     from orchestrator.config import database_url
 
     runs = tmp_path / "runs"
-    config = sweep_dict(tiny_dir, runs, n_trials=50, storage=postgres_url)  # still running when the second starts
+    config = sweep_dict(tiny_dir, runs, n_trials=5000, storage=postgres_url)  # still running when the second starts
     config["prompts"]["max_new_tokens"] = 32
     sweep = write_sweep(tmp_path / "sweep.yaml", config)
     first = start_sweep(sweep)

@@ -156,12 +156,21 @@ def test_predictions_run_on_every_rank_and_replay_what_one_actor_does(tiny_dir, 
     grouped, alone = ray.get([tp.handle.replay_tables.remote(spec, 8), single.handle.replay_tables.remote(spec, 8)],
                              timeout=GET_TIMEOUT)
     assert len(grouped) == 2 and _same(grouped, alone)
-    settings = [{"tree_budget": b, "max_depth": 4, "branching": 2} for b in (2, 8)]
+    settings = [TreeParams(b, max_depth=4, branching=2) for b in (2, 8)]
     costs = ray.get([tp.handle.measure_costs.remote(spec, settings),
                      single.handle.measure_costs.remote(spec, settings)], timeout=GET_TIMEOUT)
-    assert set(costs[0]["verify_s"]) == set(costs[1]["verify_s"]) and all(v > 0 for v in costs[0]["verify_s"].values())
+    grouped_verify, alone_verify = (_leaves(c["verify_s"]) for c in costs)  # (context, kind, depth, budget): s
+    assert grouped_verify.keys() == alone_verify.keys() and all(s > 0 for s in grouped_verify.values())
+    assert {str(key[-1]) for key in grouped_verify} == {"2", "8"}  # both budgets timed, on the settings' own trees
     after = ray.get(tp.handle.run_trial.remote(_spec(tiny_dir, ARParams())), timeout=GET_TIMEOUT)
     assert after.status is TrialStatus.OK, after.error  # the ranks are still in step
+
+
+def _leaves(table, path=()) -> dict[tuple, float]:
+    """A nested table's numbers keyed by their path of keys."""
+    if not isinstance(table, dict):
+        return {path: table}
+    return {key: value for k, sub in table.items() for key, value in _leaves(sub, (*path, k)).items()}
 
 
 def _same(a, b) -> bool:

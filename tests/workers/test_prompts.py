@@ -214,7 +214,7 @@ def test_bench_cli_with_a_local_dataset_and_stop_override(chat_target, tmp_path)
 def test_a_target_without_tokenizer_files_gets_no_stand_in_tokenizer(tmp_path):
     """transformers 5 returns a one-token stand-in (eos id 0) for a folder without tokenizer files;
     the worker must not take it, or id 0 becomes a stop token and outputs are silently cut short."""
-    from workers.models.loading import has_tokenizer_files, load_tokenizer
+    from workers.models.facts import has_tokenizer_files, load_tokenizer
 
     target_dir, _ = write_tiny_pair(tmp_path, TinyShape())
     for name in ("config.json", "generation_config.json"):  # eos 31: the model's own stop token, not 0
