@@ -1,5 +1,6 @@
 """CUDA graphs (GPU only; skipped on CPU machines): replaying captured verify, commit and drafter
-passes must give exactly the eager path's tokens, for every engine, on attention-only and hybrid targets."""
+passes must give exactly the eager path's tokens, for every engine, on attention-only and hybrid targets
+with DFlash and DFlash2 drafters."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ ENGINES = [("ar", ar.generate, None), ("dflash", dflash.generate, DFlashParams()
            ("ddtree", ddtree.generate, TreeParams(16)), ("ddtree", ddtree.generate, TreeParams(48, branching=2))]
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny_small_vocab", "tiny_hybrid", "tiny_next"])
+@pytest.mark.parametrize("name", ["tiny", "tiny_small_vocab", "tiny_hybrid", "tiny_next", "tiny_dflash2",
+                                  "tiny_hybrid_dflash2"])
 def test_graph_replay_equals_eager_token_for_token(request, name):
     tiny = request.getfixturevalue(name)
     model = copy.deepcopy(tiny.model).cuda()
