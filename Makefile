@@ -18,7 +18,12 @@
 # at a time on a 2-core machine (README.md). Each test process and its children use one torch thread
 # (OMP_NUM_THREADS=1): the tiny test models gain nothing from intra-op threads, which would contend.
 PYTHON ?= python3
-TORCH ?= torch==2.13.0
+CPU_TORCH := torch==2.13.0
+TORCH ?= $(CPU_TORCH)
+# with any other torch (a CUDA machine) the gpu extra too: fla-core's tensor-core chunked Gated DeltaNet
+# for the hybrids' prompts (pyproject.toml); the CPU build never runs it
+COMMA := ,
+EXTRAS := $(if $(filter $(CPU_TORCH),$(TORCH)),test,test$(COMMA)gpu)
 VENV := .venv
 PY := $(VENV)/bin/python
 KERNELS := .triton
@@ -38,8 +43,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) --upgrade pip
 	@echo "make: installing $(TORCH) (the CPU build unless TORCH says otherwise) ..."
 	$(PIP) "$(TORCH)"
-	@echo "make: installing the project and its test tools (ray, optuna, mlflow, transformers, pytest, ...) ..."
-	$(PIP) -e ".[test]"
+	@echo "make: installing the project and its extras [$(EXTRAS)] (ray, optuna, mlflow, transformers, pytest, ...) ..."
+	$(PIP) -e ".[$(EXTRAS)]"
 	touch $@
 	@echo "make: $(VENV) is ready"
 

@@ -147,7 +147,7 @@ def launches(shape: dict, q: int = 257) -> list[Launch]:
     with recording(fused_hybrid_triton, "_output_gate_kernel", "attention output gate", out):
         fused_hybrid_triton.output_gate(torch.zeros(heads, q, head_dim, dtype=bf16),
                                         torch.zeros(q, 2 * heads + 2 * kv_heads, head_dim, dtype=bf16), heads)
-    with recording(fused_hybrid_triton, "_one_plus_rms_norm_kernel", "(1 + w) RMS norm (hidden)", out):
+    with recording(fused_hybrid_triton, "_rms_norm_kernel", "(1 + w) RMS norm (hidden)", out):
         fused_hybrid_triton.one_plus_rms_norm(torch.zeros(q, shape["hidden_size"], dtype=bf16),
                                               torch.zeros(shape["hidden_size"], dtype=bf16), 1e-6)
     with recording(fused_hybrid_triton, "_silu_mul_kernel", "MLP silu(gate) * up", out):

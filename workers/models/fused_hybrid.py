@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.models.attention import attend_folded
-from workers.models.fused_layer import PassInputs, add_projection_, fuse_rows
+from workers.models.fused_layer import PassInputs, add_projection_, fuse_rows, silu_mul
 from workers.models.kernels import triton_available
 
 # transformers' RMSNorm classes computing (1 + weight) * (x * rsqrt(mean(x^2) + eps)) in float32
@@ -75,7 +75,6 @@ class HybridMLP:
         self.gate_up_weight = None
         if self.dense(mlp):
             self.down_proj = mlp.down_proj
-            self.intermediate = mlp.gate_proj.weight.shape[0]
             with torch.inference_mode(False), torch.no_grad():  # (this order: inference_mode(False) enables grad)
                 self.gate_up_weight = fuse_rows((mlp.gate_proj, mlp.up_proj), "weight")  # [2I, H]
 
@@ -100,13 +99,7 @@ class HybridMLP:
     def dense_mlp(self, residual: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
         """residual += down_proj(silu(gate) * up) of the normed rows [q, H] (a dense MLP), in place."""
         gate_up = F.linear(normed, self.gate_up_weight)  # [q, 2I]
-        if gate_up.is_cuda and triton_available():
-            from workers.models.fused_hybrid_triton import silu_mul
-
-            activated = silu_mul(gate_up)
-        else:
-            activated = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-        return add_projection_(residual, activated, self.down_proj, self.reduce)
+        return add_projection_(residual, silu_mul(gate_up), self.down_proj, self.reduce)
 
 
 class HybridLinearLayer:

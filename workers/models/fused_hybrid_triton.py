@@ -1,12 +1,15 @@
-"""The hybrid layers' small per-token work as Triton kernels (CUDA only; ``fused_hybrid`` has the torch forms).
+"""The decoder layers' small per-token work as Triton kernels (CUDA only; ``fused_hybrid`` and
+``fused_layer`` have the torch forms). Both the hybrids' layers and plain attention layers use them.
 
-``one_plus_rms_norm``: Qwen3.5's ``1 + weight`` RMSNorm, which transformers computes as six to nine
-small kernels (cast, square, mean, add, rsqrt, two products, cast back): one program per row
-reduces in float32 and stores the row rounded to the model dtype once, as transformers does.
-``norm_rotate_heads``: a gated attention layer's q/k norms, partial rotary, K/V cache write and
-query fold in one kernel. ``output_gate``: the attention output times the sigmoid of its gate, in the
-layout o_proj reads. ``silu_mul``: the MLP's activation. Tested against the torch forms in
-``tests/workers/models/test_fused_hybrid.py`` (GPU-marked) and through Triton's interpreter.
+``rms_norm``: an RMSNorm row in one program (transformers computes it as six to nine small kernels:
+cast, square, mean, add, rsqrt, two products, cast back), reduced in float32 and stored rounded to
+the model dtype once; Qwen3.5's ``1 + weight`` form or the plain ``weight`` form.
+``norm_rotate_heads``: an attention layer's q/k norms, rotary, K/V cache write and query fold in one
+kernel, for the gated layout (a gate row after each query head) and the plain one.
+``output_gate``: the attention output times the sigmoid of its gate, in the layout o_proj reads.
+``silu_mul``: the MLP's activation. Tested against the torch forms in
+``tests/workers/models/test_fused_hybrid.py`` and ``test_fused_layer.py`` (GPU-marked) and through
+Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -15,9 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
+# the norms a kernel applies (constexpr switches)
+NO_NORM, PLAIN_NORM, ONE_PLUS_NORM = 0, 1, 2
+
 
 @triton.jit
-def _one_plus_rms_norm_kernel(X, W, OUT, stride_a, stride_b, inner, n, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(X, W, OUT, stride_a, stride_b, inner, n, eps, ONE_PLUS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)  # row = a * inner + b of the [outer, inner, n] input
     a = row // inner
     b = row % inner
@@ -25,12 +31,24 @@ def _one_plus_rms_norm_kernel(X, W, OUT, stride_a, stride_b, inner, n, eps, BLOC
     valid = cols < n
     x = tl.load(X + a * stride_a + b * stride_b + cols, mask=valid, other=0.0).to(tl.float32)
     w = tl.load(W + cols, mask=valid, other=0.0).to(tl.float32)
-    y = x * tl.rsqrt(tl.sum(x * x, axis=0) / n + eps) * (1.0 + w)
+    if ONE_PLUS:
+        w = 1.0 + w
+    y = x * tl.rsqrt(tl.sum(x * x, axis=0) / n + eps) * w
     tl.store(OUT + row * n + cols, y.to(OUT.dtype.element_ty), mask=valid)
 
 
 def one_plus_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., N] (rows contiguous, leading dims any strides of a 2- or 3-D view) -> contiguous, x's dtype."""
+    """Qwen3.5's norm, x * rsqrt(mean(x^2) + eps) * (1 + weight): x [..., N] (rows contiguous, leading
+    dims any strides of a 2- or 3-D view) -> contiguous, x's dtype."""
+    return _rms_norm(x, weight, eps, one_plus=True)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The plain norm, x * rsqrt(mean(x^2) + eps) * weight, rounded once (as ``F.rms_norm``); as above."""
+    return _rms_norm(x, weight, eps, one_plus=False)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, one_plus: bool) -> torch.Tensor:
     n = x.shape[-1]
     if x.stride(-1) != 1 or x.dim() > 3:
         x = x.contiguous()
@@ -38,8 +56,8 @@ def one_plus_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = view.shape[0] * view.shape[1]
     block = triton.next_power_of_2(n)
-    _one_plus_rms_norm_kernel[(rows,)](view, weight, out, view.stride(0), view.stride(1), view.shape[1], n, eps,
-                                       BLOCK=block, num_warps=min(16, max(1, block // 512)))
+    _rms_norm_kernel[(rows,)](view, weight, out, view.stride(0), view.stride(1), view.shape[1], n, eps,
+                              ONE_PLUS=one_plus, BLOCK=block, num_warps=min(16, max(1, block // 512)))
     return out
 
 
@@ -48,26 +66,40 @@ def _heads_kernel(
     HEADS, QW, KW, COS, SIN, SLOTS, FOLDED, KV,
     stride_token, stride_cos, stride_kv, stride_head, stride_slot, nodes, eps,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr,
+    GATED: tl.constexpr, NORM: tl.constexpr,
 ):
     t = tl.program_id(0)  # node
     j = tl.program_id(1)  # 0..HQ-1 query heads, then HKV key heads, then HKV value heads
     is_q = j < HQ
     is_v = j >= HQ + HKV
-    # heads rows per node: [q_0, gate_0, ..., q_{HQ-1}, gate_{HQ-1}, k_0.., v_0..]
-    src = HEADS + t * stride_token + tl.where(is_q, 2 * j, HQ + j) * D
+    # heads rows per node, gated: [q_0, gate_0, ..., q_{HQ-1}, gate_{HQ-1}, k_0.., v_0..]; plain: [q_0.., k_0.., v_0..]
+    if GATED:
+        src = HEADS + t * stride_token + tl.where(is_q, 2 * j, HQ + j) * D
+    else:
+        src = HEADS + t * stride_token + j * D
     cols = tl.arange(0, BLOCK)
     valid = cols < D
     half = R // 2
     partner = tl.where(cols < half, cols + half, tl.where(cols < R, cols - half, cols))  # rotate_half's source
     x = tl.load(src + cols, mask=valid, other=0.0).to(tl.float32)
     x_partner = tl.load(src + partner, mask=valid, other=0.0).to(tl.float32)
-    w = tl.where(is_q, tl.load(QW + cols, mask=valid, other=0.0), tl.load(KW + cols, mask=valid, other=0.0))
-    w_partner = tl.where(is_q, tl.load(QW + partner, mask=valid, other=0.0),
-                         tl.load(KW + partner, mask=valid, other=0.0))
-    inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
     # the norm's output is rounded to the model dtype before the rotary, as transformers' module returns it
-    y = (x * inv * (1.0 + w.to(tl.float32))).to(HEADS.dtype.element_ty).to(tl.float32)
-    y_partner = (x_partner * inv * (1.0 + w_partner.to(tl.float32))).to(HEADS.dtype.element_ty).to(tl.float32)
+    if NORM != 0:
+        w = tl.where(is_q, tl.load(QW + cols, mask=valid, other=0.0), tl.load(KW + cols, mask=valid, other=0.0))
+        w_partner = tl.where(is_q, tl.load(QW + partner, mask=valid, other=0.0),
+                             tl.load(KW + partner, mask=valid, other=0.0))
+        inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    if NORM == 2:  # 1 + weight, in float32
+        y = (x * inv * (1.0 + w.to(tl.float32))).to(HEADS.dtype.element_ty).to(tl.float32)
+        y_partner = (x_partner * inv * (1.0 + w_partner.to(tl.float32))).to(HEADS.dtype.element_ty).to(tl.float32)
+    elif NORM == 1:  # weight times the rounded normalised row, rounded (as F.rms_norm(x) * weight)
+        y = ((x * inv).to(HEADS.dtype.element_ty).to(tl.float32) * w.to(tl.float32))
+        y = y.to(HEADS.dtype.element_ty).to(tl.float32)
+        y_partner = ((x_partner * inv).to(HEADS.dtype.element_ty).to(tl.float32) * w_partner.to(tl.float32))
+        y_partner = y_partner.to(HEADS.dtype.element_ty).to(tl.float32)
+    else:
+        y = x
+        y_partner = x_partner
     turning = cols < R
     cos = tl.load(COS + t * stride_cos + cols, mask=turning, other=1.0).to(tl.float32)
     sin = tl.load(SIN + t * stride_cos + cols, mask=turning, other=0.0).to(tl.float32)  # sin, first half negated
@@ -82,11 +114,15 @@ def _heads_kernel(
     tl.store(target + cols, out, mask=valid & (j >= HQ))
 
 
-def norm_rotate_heads(heads: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+def norm_rotate_heads(heads: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                       cos: torch.Tensor, sin_signed: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
-                      query_heads: int, kv_heads: int) -> torch.Tensor:
-    """``fused_hybrid.norm_rotate_heads_torch`` in one kernel: heads [q, 2Hq + 2Hkv, D] -> folded
-    queries [Hkv, g*q, D]; K and V written into kv [2, 1, Hkv, C, D] at slots [q]."""
+                      query_heads: int, kv_heads: int, gated: bool = True, norm: int = ONE_PLUS_NORM) -> torch.Tensor:
+    """``fused_hybrid.norm_rotate_heads_torch`` (gated; ``norm`` ONE_PLUS_NORM) or the plain layer's
+    ``fused_layer.norm_rotate_heads_torch`` (``norm`` PLAIN_NORM, or NO_NORM with no weights) in one
+    kernel: heads [q, 2Hq + 2Hkv, D] (gated) or [q, Hq + 2Hkv, D] -> folded queries [Hkv, g*q, D]; K
+    and V written into kv [2, 1, Hkv, C, D] at slots [q]."""
+    if norm == NO_NORM:  # no weights read: any pointer will do
+        q_weight = k_weight = heads
     q, _, d = heads.shape
     rotary = cos.shape[-1]
     folded = torch.empty(kv_heads, (query_heads // kv_heads) * q, d, dtype=heads.dtype, device=heads.device)
@@ -94,7 +130,7 @@ def norm_rotate_heads(heads: torch.Tensor, q_weight: torch.Tensor, k_weight: tor
         heads, q_weight, k_weight, cos, sin_signed, slots, folded, kv,
         heads.stride(0), cos.stride(0), kv.stride(0), kv.stride(2), kv.stride(3), q, eps,
         HQ=query_heads, HKV=kv_heads, D=d, R=rotary, BLOCK=triton.next_power_of_2(d),
-        num_warps=1 if d <= 128 else 2,
+        GATED=gated, NORM=norm, num_warps=1 if d <= 128 else 2,
     )
     return folded
 

@@ -8,11 +8,13 @@ the same arithmetic as
     x = x + o_proj(attention(rope(norm_qk(q_proj(n))), rope(norm_qk(k_proj(n))), v_proj(n)))   n = norm(x)
     x = x + down_proj(silu(gate_proj(m)) * up_proj(m))                                           m = norm(x)
 
-with ~20 kernels: q/k/v projections as one matrix and gate/up as one (larger matrices also stream
-closer to full memory bandwidth: ``benchmarks/projection_gemms.py``), each RMSNorm as one fused
-kernel, q and k normalised and rotated together, and the attention of a few rows as two batched
-matrix products (cheaper than a fused SDPA kernel for so few rows: ``benchmarks/attention_kernels.py``),
-the residual sums inside the output projections' matrix products, and K and V written with one copy.
+in about ten kernels: q/k/v projections as one matrix and gate/up as one (larger matrices also
+stream closer to full memory bandwidth: ``benchmarks/projection_gemms.py``), the residual sums inside
+the output projections' matrix products, and the attention of a few rows as two batched matrix
+products (cheaper than a fused SDPA kernel for so few rows: ``benchmarks/attention_kernels.py``). On
+CUDA, the small work is ``fused_hybrid_triton``'s kernels, shared with the hybrids' layers: each
+RMSNorm one kernel; q and k normalised and rotated, K and V written to the cache and the queries
+folded in one; the SiLU and product one. Elsewhere the same arithmetic in torch (``*_torch``).
 
 The fused matrices are built once per layer and the model's own ``q_proj.weight`` (etc.) become
 views into them, so no weight is stored twice and transformers' forward still sees the same values.
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.models.attention import attend_folded
+from workers.models.kernels import triton_available
 
 # transformers' RMSNorm classes computing weight * (x * rsqrt(mean(x^2) + eps)) (not 1 + weight)
 PLAIN_NORMS = frozenset({"Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm"})
@@ -77,16 +80,13 @@ class FusedLayer:
         self.scale = attn.scaling
         self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.o_proj, self.down_proj = attn.o_proj, mlp.down_proj
-        self.intermediate = mlp.gate_proj.out_features
         with torch.inference_mode(False), torch.no_grad():  # (this order: inference_mode(False) enables grad)
             self.qkv_weight = fuse_rows((attn.q_proj, attn.k_proj, attn.v_proj), "weight")
             self.qkv_bias = fuse_rows((attn.q_proj, attn.k_proj, attn.v_proj), "bias")
             self.gate_up_weight = fuse_rows((mlp.gate_proj, mlp.up_proj), "weight")
-            self.qk_norm_weight = None
-            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head's D before the rotary
-                self.qk_norm_weight = torch.cat((attn.q_norm.weight.expand(self.query_heads, -1),
-                                                 attn.k_norm.weight.expand(self.kv_heads, -1)))  # [Hq+Hkv, D]
-                self.qk_eps = attn.q_norm.variance_epsilon
+            self.q_norm = self.k_norm = None  # Qwen3: RMSNorm over each head's D before the rotary
+            if hasattr(attn, "q_norm"):
+                self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
 
     @staticmethod
     def supports(layer: nn.Module, config) -> bool:
@@ -118,23 +118,67 @@ class FusedLayer:
         inputs.slots."""
         q, hq, hkv, d = hidden.shape[1], self.query_heads, self.kv_heads, self.head_dim
         residual = hidden[0]  # [q, H]
-        heads = F.linear(_rms_norm(residual, self.input_norm), self.qkv_weight, self.qkv_bias).view(q, hq + 2 * hkv, d)
-        query_key = heads[:, : hq + hkv]
-        if self.qk_norm_weight is not None:
-            query_key = F.rms_norm(query_key, (d,), eps=self.qk_eps) * self.qk_norm_weight
-        swapped = query_key.unflatten(-1, (2, d // 2)).flip(-2).flatten(-2)
-        # rotated q and k overwrite their rows of ``heads``, so K and V then go to the cache in one copy
-        torch.addcmul(query_key * inputs.cos, swapped, inputs.sin_signed, out=heads[:, : hq + hkv])
-        kv[:, 0].index_copy_(2, inputs.slots, heads[:, hq:].view(q, 2, hkv, d).permute(1, 2, 0, 3))
-        # fold each K/V head's query heads into rows: [Hkv, g*q, D], row r*q + t = head kv*g + r, node t
-        folded = heads[:, :hq].transpose(0, 1).reshape(hkv, (hq // hkv) * q, d)
+        heads = F.linear(rms_norm(residual, self.input_norm), self.qkv_weight, self.qkv_bias).view(q, hq + 2 * hkv, d)
+        args = (heads, self.q_norm, self.k_norm, inputs, kv, hq, hkv)
+        folded = norm_rotate_heads(*args) if heads.is_cuda and triton_available() else norm_rotate_heads_torch(*args)
         out = attend_folded(folded, kv[0, 0, :, :attend], kv[1, 0, :, :attend], inputs.mask, self.scale,
                            slots=inputs.slots)
         add_projection_(residual, out.reshape(hq, q, d).transpose(0, 1).reshape(q, hq * d), self.o_proj, self.reduce)
-        gate_up = F.linear(_rms_norm(residual, self.post_norm), self.gate_up_weight)
-        activated = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-        add_projection_(residual, activated, self.down_proj, self.reduce)
+        gate_up = F.linear(rms_norm(residual, self.post_norm), self.gate_up_weight)
+        add_projection_(residual, silu_mul(gate_up), self.down_proj, self.reduce)
         return hidden
+
+
+def norm_rotate_heads_torch(heads: torch.Tensor, q_norm: nn.Module | None, k_norm: nn.Module | None,
+                            inputs: PassInputs, kv: torch.Tensor, query_heads: int, kv_heads: int) -> torch.Tensor:
+    """The attention's inputs from the projection's output heads [q, Hq + 2Hkv, D] (query heads, key
+    heads, value heads): queries and keys normalised (when the layer has q/k norms) and rotated; K and
+    V written into kv [2, 1, Hkv, C, D] at ``inputs.slots``. Returns the queries folded per K/V head
+    [Hkv, g*q, D] (``attend_folded``'s rows)."""
+    q, _, d = heads.shape
+    hq, hkv = query_heads, kv_heads
+    query_key = heads[:, : hq + hkv]
+    if q_norm is not None:
+        query_key = torch.cat((F.rms_norm(query_key[:, :hq], (d,), eps=q_norm.variance_epsilon) * q_norm.weight,
+                               F.rms_norm(query_key[:, hq:], (d,), eps=k_norm.variance_epsilon) * k_norm.weight), 1)
+    swapped = query_key.unflatten(-1, (2, d // 2)).flip(-2).flatten(-2)
+    # rotated q and k overwrite their rows of ``heads``, so K and V then go to the cache in one copy
+    torch.addcmul(query_key * inputs.cos, swapped, inputs.sin_signed, out=heads[:, : hq + hkv])
+    kv[:, 0].index_copy_(2, inputs.slots, heads[:, hq:].view(q, 2, hkv, d).permute(1, 2, 0, 3))
+    # fold each K/V head's query heads into rows: [Hkv, g*q, D], row r*q + t = head kv*g + r, node t
+    return heads[:, :hq].transpose(0, 1).reshape(hkv, (hq // hkv) * q, d)
+
+
+def norm_rotate_heads(heads: torch.Tensor, q_norm: nn.Module | None, k_norm: nn.Module | None,
+                      inputs: PassInputs, kv: torch.Tensor, query_heads: int, kv_heads: int) -> torch.Tensor:
+    """``norm_rotate_heads_torch`` as one Triton kernel (CUDA)."""
+    from workers.models import fused_hybrid_triton as kernels
+
+    if q_norm is None:
+        weights, eps, norm = (None, None), 0.0, kernels.NO_NORM
+    else:
+        weights, eps, norm = (q_norm.weight, k_norm.weight), q_norm.variance_epsilon, kernels.PLAIN_NORM
+    return kernels.norm_rotate_heads(heads, *weights, eps, inputs.cos, inputs.sin_signed, inputs.slots, kv,
+                                     query_heads, kv_heads, gated=False, norm=norm)
+
+
+def rms_norm(hidden: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """A plain RMSNorm (``weight * normalised``, rounded once) of hidden's rows: one kernel on CUDA."""
+    if hidden.is_cuda and triton_available():
+        from workers.models.fused_hybrid_triton import rms_norm as kernel
+
+        return kernel(hidden, norm.weight, norm.variance_epsilon)
+    return F.rms_norm(hidden, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [q, 2I] (gate columns, then up) -> silu(gate) * up [q, I]: one kernel on CUDA."""
+    if gate_up.is_cuda and triton_available():
+        from workers.models.fused_hybrid_triton import silu_mul as kernel
+
+        return kernel(gate_up)
+    inner = gate_up.shape[1] // 2
+    return F.silu(gate_up[:, :inner]) * gate_up[:, inner:]
 
 
 def add_projection_(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear,
@@ -149,10 +193,6 @@ def add_projection_(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear,
     if linear.bias is not None:
         return residual.add_(linear(x))
     return residual.addmm_(x, linear.weight.t())
-
-
-def _rms_norm(hidden: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    return F.rms_norm(hidden, norm.weight.shape, norm.weight, norm.variance_epsilon)
 
 
 def fuse_rows(modules: tuple[nn.Linear, ...], name: str) -> torch.Tensor | None:

@@ -159,3 +159,39 @@ def test_a_fused_model_can_be_deep_copied_and_the_copy_fuses_itself():
     with torch.no_grad():
         torch.testing.assert_close(target.prefill(prompt).logits[0], plain_logits(model, prompt[0].tolist()),
                                    atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_layer_kernels_equal_their_torch_forms(dtype):
+    """The plain norm kernel and the heads kernel in its plain layout (Qwen3's q/k norms, or none as in
+    Llama) against the torch forms the CPU runs."""
+    from torch import nn
+
+    from workers.models import fused_hybrid_triton
+    from workers.models.fused_layer import PassInputs, norm_rotate_heads, norm_rotate_heads_torch
+
+    generator = torch.Generator().manual_seed(3)
+    tolerance = {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    norm = nn.Module()
+    norm.weight, norm.variance_epsilon = (torch.randn(4096, generator=generator) * 0.3).to("cuda", dtype), 1e-6
+    for x in ((torch.randn(7, 4096, generator=generator) * 3).to("cuda", dtype),
+              torch.randn(3, 9, 4096, generator=generator).to("cuda", dtype)[:, 2:6]):
+        want = torch.nn.functional.rms_norm(x, (4096,), norm.weight, norm.variance_epsilon)
+        torch.testing.assert_close(fused_hybrid_triton.rms_norm(x, norm.weight, 1e-6), want, **tolerance)
+    for q, hq, hkv, d in ((1, 32, 8, 128), (257, 32, 8, 128), (5, 4, 2, 16)):
+        heads = torch.randn(q, hq + 2 * hkv, d, generator=generator).to("cuda", dtype)
+        q_norm, k_norm = nn.Module(), nn.Module()
+        q_norm.weight, k_norm.weight = ((torch.randn(d, generator=generator) * 0.3).to("cuda", dtype) for _ in range(2))
+        q_norm.variance_epsilon = k_norm.variance_epsilon = 1e-6
+        angles = torch.rand(1, q, d // 2, generator=generator).repeat(1, 1, 2) * 6
+        inputs = PassInputs.build(angles.cos().to("cuda", dtype), angles.sin().to("cuda", dtype),
+                                  torch.arange(3, 3 + q, device="cuda"), torch.zeros(q, 4), hq // hkv)
+        for norms in ((q_norm, k_norm), (None, None)):
+            results = []
+            for run in (norm_rotate_heads_torch, norm_rotate_heads):
+                kv = torch.zeros(2, 1, hkv, q + 5, d, dtype=dtype, device="cuda")
+                results.append((run(heads.clone(), *norms, inputs, kv, hq, hkv), kv))
+            for got, want in zip(results[1], results[0]):
+                torch.testing.assert_close(got, want, **tolerance)

@@ -162,6 +162,36 @@ def test_the_hybrid_layers_small_kernels_equal_their_torch_forms(dtype):
         torch.testing.assert_close(got, want, **tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_plain_layers_small_kernels_equal_their_torch_forms(dtype):
+    """The plain (weight) RMS norm, and the heads kernel's plain layout with Qwen3's q/k norms and
+    with none (Llama): norms, full rotary, K/V write, query fold."""
+    from workers.models import fused_hybrid_triton
+    from workers.models.fused_layer import PassInputs, norm_rotate_heads, norm_rotate_heads_torch
+
+    g = torch.Generator().manual_seed(4)
+    tolerance = {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 4e-3, "rtol": 4e-3}
+    weight = (torch.randn(320, generator=g) * 0.3).to(dtype)
+    for x in ((torch.randn(7, 320, generator=g) * 3).to(dtype), torch.randn(3, 6, 320, generator=g).to(dtype)[:, 1:5]):
+        torch.testing.assert_close(fused_hybrid_triton.rms_norm(x, weight, 1e-6),
+                                   torch.nn.functional.rms_norm(x, (320,), weight, 1e-6), **tolerance)
+    q, hq, hkv, d = 5, 4, 2, 16
+    heads = torch.randn(q, hq + 2 * hkv, d, generator=g).to(dtype)
+    q_norm, k_norm = nn.Module(), nn.Module()
+    q_norm.weight, k_norm.weight = ((torch.randn(d, generator=g) * 0.3).to(dtype) for _ in range(2))
+    q_norm.variance_epsilon = k_norm.variance_epsilon = 1e-6
+    angles = torch.rand(1, q, d // 2, generator=g).repeat(1, 1, 2) * 6
+    inputs = PassInputs.build(angles.cos().to(dtype), angles.sin().to(dtype), torch.arange(3, 3 + q),
+                              torch.zeros(q, 4), hq // hkv)
+    for norms in ((q_norm, k_norm), (None, None)):
+        results = []
+        for run in (norm_rotate_heads_torch, norm_rotate_heads):  # the torch form, the kernel
+            kv = torch.zeros(2, 1, hkv, q + 5, d, dtype=dtype)
+            results.append((run(heads.clone(), *norms, inputs, kv, hq, hkv), kv))
+        for got, want in zip(results[1], results[0]):
+            torch.testing.assert_close(got, want, **tolerance)
+
+
 def test_the_tree_build_kernels_equal_the_torch_build():
     """DDTree's tree build (one kernel per depth, the merge, the ancestor matrix) against the torch
     build, field for field and bit for bit, on random drafter rows with and without exact ties (rounded
