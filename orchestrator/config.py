@@ -137,15 +137,35 @@ class IntParam(_Strict):
         return list(range(self.low, self.high + 1, self.step))
 
 
+class FloatParam(_Strict):
+    """A real-valued knob (``depth_discount``) on a grid of ``step``, so grid and predicted samplers can
+    enumerate it as they do integers."""
+
+    type: Literal["float"]
+    low: float
+    high: float
+    step: float = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _range(self) -> FloatParam:
+        if self.low > self.high:
+            raise ValueError(f"low ({self.low}) is greater than high ({self.high})")
+        return self
+
+    def values(self) -> list[float]:
+        count = int(round((self.high - self.low) / self.step))
+        return [round(self.low + i * self.step, 10) for i in range(count + 1)]
+
+
 class CategoricalParam(_Strict):
     type: Literal["categorical"]
-    choices: list[int | None] = Field(min_length=1)
+    choices: list[int | float | None] = Field(min_length=1)
 
-    def values(self) -> list[int | None]:
+    def values(self) -> list[int | float | None]:
         return list(self.choices)
 
 
-Param = Annotated[IntParam | CategoricalParam, Field(discriminator="type")]
+Param = Annotated[IntParam | FloatParam | CategoricalParam, Field(discriminator="type")]
 
 
 class Objective(_Strict):

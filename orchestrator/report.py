@@ -21,7 +21,8 @@ import pandas as pd
 from workers.decoding.methods import all_knobs, entry
 from workers.errors import BadInputError
 
-PARAM_COLUMNS = tuple(knob.name for knob in all_knobs())  # every method's knobs, from the registry
+KNOBS = {knob.name: knob for knob in all_knobs()}  # every method's knobs, from the registry
+PARAM_COLUMNS = tuple(KNOBS)
 METRIC_COLUMNS = ("tokens_per_s", "tokens_per_s_median", "tokens_per_s_iqr", "tokens_per_s_ci_low",
                   "tokens_per_s_ci_high", "tau", "speedup",
                   "peak_memory_gib", "ttft_s", "tpot_s", "lossless_match", "divergences_near_tie",
@@ -80,8 +81,7 @@ def trials_from_mlflow(tracking_uri: str, experiment: str, study: str, study_uid
                "method": run.data.params.get("method")}
         for name in PARAM_COLUMNS:
             if name in run.data.params:
-                value = run.data.params[name]
-                row[name] = None if value == "None" else int(value)
+                row[name] = KNOBS[name].read(run.data.params[name])
         row.update({name: run.data.metrics.get(name) for name in METRIC_COLUMNS})
         row["memory_kind"] = run.data.tags.get("memory_kind", "cuda")
         row.update({name: run.data.metrics[name] for name in PREDICTED_COLUMNS if name in run.data.metrics})
@@ -114,8 +114,7 @@ def remeasured_from_mlflow(tracking_uri: str, experiment: str, study: str,
         row = {"trial": int(run.data.tags["optuna_trial"]), "status": "ok", "method": run.data.params.get("method")}
         for name in PARAM_COLUMNS:
             if name in run.data.params:
-                value = run.data.params[name]
-                row[name] = None if value == "None" else int(value)
+                row[name] = KNOBS[name].read(run.data.params[name])
         row.update({name: run.data.metrics.get(name) for name in REMEASURED_COLUMNS})
         rows.append(row)
     return pd.DataFrame(rows).sort_values("trial").reset_index(drop=True)
@@ -275,7 +274,7 @@ def method_lines(frame: pd.DataFrame, remeasured: pd.DataFrame, objectives: list
         if name not in pool or pool[name].dropna().empty:
             continue
         row = pool.sort_values(name, ascending=direction == "minimize").iloc[0]
-        params = {c: (None if pd.isna(row[c]) else int(row[c])) for c in entry(method).params.knob_names() if c in row}
+        params = {c: KNOBS[c].read(row[c]) for c in entry(method).params.knob_names() if c in row}
         speed = row.get("tokens_per_s")
         against = [f"{speed / value:.2f}x {label}" for label, value in baselines if speed and not pd.isna(speed)]
         lines.append(f"best {method} ({source}): trial {int(row['trial'])} {params} -> {name} {_cell(row[name])}, "
@@ -408,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     if used_final:
         label = f"best (re-measured, {int(best.iloc[0]['passes'])} passes interleaved with AR)"
     for _, row in best.iterrows():
-        params = {c: (None if pd.isna(row[c]) else int(row[c])) for c in PARAM_COLUMNS if c in best}
+        params = {c: KNOBS[c].read(row[c]) for c in PARAM_COLUMNS if c in best}
         values = {name: _cell(row[name]) for name, _ in objectives}
         console.print(f"{label}: trial {int(row['trial'])} {params} -> {values}", highlight=False)
         if used_final:

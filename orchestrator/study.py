@@ -21,7 +21,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, Trial, TrialState
 
-from orchestrator.config import CategoricalParam, IntParam, SweepConfig
+from orchestrator.config import CategoricalParam, FloatParam, IntParam, SweepConfig
 from workers.errors import BadInputError
 
 FINGERPRINT_ATTR = "sweep_fingerprint"
@@ -410,6 +410,8 @@ def suggest(trial: Trial, config: SweepConfig) -> dict[str, Any]:
     for name, space in config.space(config.method_of(params)).items():
         if isinstance(space, IntParam):
             params[name] = trial.suggest_int(name, space.low, space.high, step=space.step, log=space.log)
+        elif isinstance(space, FloatParam):
+            params[name] = trial.suggest_float(name, space.low, space.high, step=space.step)
         elif isinstance(space, CategoricalParam):
             params[name] = trial.suggest_categorical(name, space.choices)
     return config.setting(params)

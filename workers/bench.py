@@ -64,6 +64,23 @@ def _positive(kind: str):
     return _at_least(kind, int, 1)
 
 
+def _knob_value(knob):
+    """An argparse type for a method knob: a whole number >= 1, or for a fraction knob a number in (0, 1]."""
+    if not knob.fraction:
+        return _positive(knob.flag)
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{knob.flag} must be a number, got '{text}'") from None
+        if not 0 < value <= 1:
+            raise argparse.ArgumentTypeError(f"{knob.flag} must be in (0, 1], got {value}")
+        return value
+
+    return parse
+
+
 def _id_list(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.split(",") if part.strip())
@@ -79,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(needed for dflash/ddtree)")
     p.add_argument("--method", required=True, choices=[m.value for m in METHODS])
     for knob in all_knobs():  # every method's parameters, from the registry
-        p.add_argument(knob.flag, type=_positive(knob.flag), help=knob.help)
+        p.add_argument(knob.flag, type=_knob_value(knob), help=knob.help)
     p.add_argument("--prompts", help='JSONL: {"prompt": "..."} or {"input_ids": [...]} per line; with --dataset, '
                    "a local copy of that dataset (.jsonl/.json/.parquet)")
     p.add_argument("--dataset", choices=sorted(BENCHMARKS), help="a named benchmark (hub, or --prompts offline)")

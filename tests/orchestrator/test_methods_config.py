@@ -67,6 +67,11 @@ def test_a_one_method_file_keeps_its_fingerprint():
     ({"method": ["ddtree", "medusa"]}, ["method", "'medusa' is not a method"]),
     ({"method_spaces": {}}, ["method_spaces", "unknown field"]),
     ({"baselines": [{"name": "x", "tokens_per_s": 0}]}, ["baselines.0.tokens_per_s"]),
+    ({"search_space": {"ddtree": {"tree_budget": {"type": "int", "low": 8, "high": 16},
+                                  "depth_discount": {"type": "categorical", "choices": [0.8, 1.5]}}}},
+     ["search_space.ddtree.depth_discount", "(0, 1]"]),
+    ({"search_space": {"ddtree": {"tree_budget": {"type": "float", "low": 8, "high": 16, "step": 0.5}}}},
+     ["search_space.ddtree.tree_budget", "whole numbers"]),
 ])
 def test_a_bad_several_method_file_names_the_place(tmp_path, change, words):
     path = tmp_path / "sweep.yaml"
@@ -102,3 +107,21 @@ def test_optuna_samples_each_methods_knobs_only_in_its_trials(tiny_dir, tmp_path
     points = studies.grid_points(config)
     assert len(points) == studies.space_size(config) == 15 * 3 + 7
     assert {p["method"] for p in points} == {"ddtree", "dflash"}
+
+
+def test_the_depth_discount_is_swept_on_a_grid_of_its_step(tiny_dir, tmp_path):
+    """A real-valued knob: Optuna's suggest_float on the file's grid; grid and predicted samplers
+    enumerate the same values; every one makes a valid parameter object."""
+    raw = sweep_dict(tiny_dir, tmp_path / "runs", method="ddtree", search_space={
+        "tree_budget": {"type": "int", "low": 2, "high": 16},
+        "depth_discount": {"type": "float", "low": 0.6, "high": 1.0, "step": 0.1}}, sampler={"type": "tpe", "seed": 0})
+    config = load_sweep(write_sweep(tmp_path / "sweep.yaml", raw))
+    assert config.space("ddtree")["depth_discount"].values() == [0.6, 0.7, 0.8, 0.9, 1.0]
+    study = optuna.create_study(sampler=studies.make_sampler(config), direction="maximize")
+    for _ in range(10):
+        trial = study.ask()
+        setting = studies.suggest(trial, config)
+        assert setting["depth_discount"] in (0.6, 0.7, 0.8, 0.9, 1.0) or abs(
+            setting["depth_discount"] * 10 - round(setting["depth_discount"] * 10)) < 1e-9
+        assert config.params_of(setting).depth_discount == setting["depth_discount"]
+        study.tell(trial, setting["depth_discount"])

@@ -37,11 +37,11 @@ def _base(files, *extra: str) -> list[str]:
 
 def test_json_contract_ddtree(files):
     proc = _run(*_base(files, "--method", "ddtree", "--tree-budget", "16", "--max-depth", "5", "--branching", "3",
-                       "--limit", "2", "--json"))
+                       "--depth-discount", "0.8", "--limit", "2", "--json"))
     assert proc.returncode == 0, proc.stderr
     payload = json.loads(proc.stdout)  # exactly one JSON object on stdout
     assert payload["method"] == "ddtree"
-    assert payload["params"] == {"tree_budget": 16, "max_depth": 5, "branching": 3}
+    assert payload["params"] == {"tree_budget": 16, "max_depth": 5, "branching": 3, "depth_discount": 0.8}
     for name in ("tokens_per_s", "tau", "speedup", "ttft_s", "tpot_s", "lossless_match", "peak_memory_gib"):
         assert name in payload["metrics"]
     assert payload["metrics"]["lossless_match"] == 1.0
@@ -69,6 +69,7 @@ def test_table_without_json(files):
     [
         (["--method", "ddtree"], "needs --tree-budget"),
         (["--method", "ddtree", "--tree-budget", "0"], "--tree-budget must be >= 1"),
+        (["--method", "ddtree", "--tree-budget", "8", "--depth-discount", "1.5"], "--depth-discount must be in (0, 1]"),
         (["--method", "bogus"], "invalid choice"),
         (["--method", "dflash", "--tree-budget", "4"], "apply to --method ddtree"),
         (["--method", "ar", "--num-draft-tokens", "4"], "applies to --method dflash"),

@@ -11,6 +11,7 @@ can check and plan settings without loading a model's libraries.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Self
@@ -28,6 +29,7 @@ class Knob:
     field: str = ""  # the dataclass field when it differs from ``name``
     required: bool = False  # must be given (a number, never null)
     below_block: bool = False  # 1..block_size-1; None means block_size-1
+    fraction: bool = False  # a real number in (0, 1] rather than a whole number >= 1
 
     @property
     def attribute(self) -> str:
@@ -37,12 +39,26 @@ class Knob:
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
 
+    def read(self, value: Any) -> int | float | None:
+        """A value read back from a store (MLflow's strings, a table's floats) as this knob's kind."""
+        if value is None or value == "None" or (isinstance(value, float) and math.isnan(value)):
+            return None
+        return float(value) if self.fraction else int(float(value))
+
     def check(self, values: Iterable[int | None], block_size: int | None = None) -> None:
         """Every value this knob may take must be valid; ValueError names the knob (not the field)."""
         values = list(values)
         if self.required and None in values:
             raise ValueError(f"{self.name} must be a number (null is not allowed)")
         numbers = [v for v in values if v is not None]
+        if any(isinstance(v, bool) or not isinstance(v, int | float) for v in numbers):
+            raise ValueError(f"{self.name} values must be numbers (got {numbers})")
+        if self.fraction:
+            if any(not 0 < v <= 1 for v in numbers):
+                raise ValueError(f"{self.name} values must be in (0, 1] (got {numbers})")
+            return
+        if any(v != int(v) for v in numbers):
+            raise ValueError(f"{self.name} values must be whole numbers (got {numbers})")
         if any(v < 1 for v in numbers):
             raise ValueError(f"{self.name} values must be >= 1 (got {min(numbers)})")
         if self.below_block and block_size is not None and any(v > block_size - 1 for v in numbers):
@@ -72,7 +88,7 @@ class MethodParams:
             knob.check([values.get(knob.name)])
         return cls(**{knob.attribute: values.get(knob.name) for knob in cls.KNOBS})
 
-    def as_dict(self) -> dict[str, int | None]:
+    def as_dict(self) -> dict[str, int | float | None]:
         """Knob name -> value (what MLflow logs and reports show)."""
         return {knob.name: getattr(self, knob.attribute) for knob in self.KNOBS}
 
@@ -159,6 +175,10 @@ class TreeParams(MethodParams):
     budget:    drafted nodes besides the root (>= 1).
     max_depth: deepest level drafted (1..block_size-1); None = every drafter position.
     branching: most children per node, i.e. top-K per depth; None = unlimited (K = min(budget, V)).
+    depth_discount: gamma in (0, 1]: a node's score sums gamma^(d-1) x the log-prob of its token at
+               depth d, so gamma < 1 trusts deep positions more than the drafter says (for drafters
+               underconfident at depth). Scores still fall along every path, so the tree stays the
+               best-first tree of those scores. None = 1: the plain path log-prob.
     """
 
     METHOD: ClassVar[str] = "ddtree"
@@ -166,11 +186,14 @@ class TreeParams(MethodParams):
         Knob("tree_budget", "DDTree nodes besides the root", field="budget", required=True),
         Knob("max_depth", "DDTree depth cap (default block_size-1)", below_block=True),
         Knob("branching", "DDTree children per node, i.e. top-K per depth (default unlimited)"),
+        Knob("depth_discount", "DDTree: weight gamma^(d-1) of depth d's log-prob in a node's score, "
+             "in (0, 1] (default 1)", fraction=True),
     )
 
     budget: int
     max_depth: int | None = None
     branching: int | None = None
+    depth_discount: float | None = None
 
     def __post_init__(self) -> None:
         if self.budget < 1:
@@ -179,6 +202,14 @@ class TreeParams(MethodParams):
             raise ValueError(f"max_depth must be >= 1, got {self.max_depth}")
         if self.branching is not None and self.branching < 1:
             raise ValueError(f"branching must be >= 1, got {self.branching}")
+        if self.depth_discount is not None and not 0 < self.depth_discount <= 1:
+            raise ValueError(f"depth_discount must be in (0, 1], got {self.depth_discount}")
+
+    def depth_weights(self, depths: int) -> list[float] | None:
+        """gamma^(d-1) for depths 1..``depths`` (the factor of each depth's log-probs), or None for none."""
+        if self.depth_discount is None or self.depth_discount == 1:
+            return None
+        return [self.depth_discount**d for d in range(depths)]
 
     def round_shape(self, block_size: int) -> RoundShape:
         """The root and every node the tree can hold (the budget, or fewer when depth and branching cap it)."""

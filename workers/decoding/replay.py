@@ -56,7 +56,7 @@ class ReplayTable:
     vocab_size: int
     prompt_length: int = 0  # the prompt's tokens (the cost model prices a round at its context length)
     transitions: torch.Tensor | None = None
-    # (g, max_depth, branching, ceiling) -> node indices of the AR path in the ceiling-budget tree
+    # (g, max_depth, branching, ceiling, depth_discount) -> node indices of the AR path in the ceiling-budget tree
     _paths: dict[tuple, list[int]] = field(default_factory=dict, repr=False)
 
     @property
@@ -187,13 +187,14 @@ def ar_lengths(table: ReplayTable) -> list[int]:
     return [1] * (output_length(table) - 1)
 
 
-def tree_path(table: ReplayTable, g: int, max_depth: int, branching: int | None, ceiling: int) -> list[int]:
+def tree_path(table: ReplayTable, g: int, max_depth: int, branching: int | None, ceiling: int,
+              depth_discount: float | None = None) -> list[int]:
     """Node indices (1-based, increasing) of the AR path from position g in the tree of ``ceiling``
     nodes: the tree of any budget B <= ceiling is its first B nodes, so a round of budget B accepts
     the path nodes numbered <= B."""
-    key = (g, max_depth, branching, ceiling)
+    key = (g, max_depth, branching, ceiling, depth_discount)
     if key not in table._paths:
-        params = TreeParams(budget=ceiling, max_depth=max_depth, branching=branching)
+        params = TreeParams(budget=ceiling, max_depth=max_depth, branching=branching, depth_discount=depth_discount)
         if table.transitions is not None:  # DFlash2: the engine's own lattice tree
             candidates = table.top_ids[g, :max_depth].long()  # (greedy is not read by the tree)
             tree = build_lattice_tree(Lattice(candidates, table.transitions[g, :max_depth], candidates[:, 0]), params)
@@ -220,7 +221,8 @@ def ddtree_lengths(table: ReplayTable, params: TreeParams, block_size: int, ceil
     width = min(ceiling, params.branching or ceiling)
     if table.transitions is None and width > table.top_k and table.top_k < table.vocab_size:
         raise ValueError(f"replay table keeps top-{table.top_k} per depth; this setting reads top-{width}")
-    return _simulate(table, lambda g: sum(1 for node in tree_path(table, g, depth, params.branching, ceiling)
+    return _simulate(table, lambda g: sum(1 for node in tree_path(table, g, depth, params.branching, ceiling,
+                                                                  params.depth_discount)
                                           if node <= params.budget))
 
 

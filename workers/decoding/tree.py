@@ -39,7 +39,7 @@ def build_tree(draft_log_probs: torch.Tensor, params: TreeParams, kernels: bool 
     if params.branching is not None:
         top_k = min(top_k, params.branching)
     top_vals, top_ids = torch.topk(draft_log_probs[:depth_limit], k=top_k, dim=-1)  # [D, K], best first
-    top_vals = top_vals.double()
+    top_vals = _discounted(top_vals.double(), params, depth_limit)
     pairs = _level_pairs(depth_limit, top_k, params.budget, device)
     if (draft_log_probs.is_cuda and triton_available()) if kernels is None else kernels:
         from workers.decoding.tree_triton import best_prefixes
@@ -79,7 +79,7 @@ def build_lattice_tree(lattice: Lattice, params: TreeParams) -> DraftTree:
     width = min(top_k, params.budget, params.branching or top_k)
     # every parent state's children, best first: [D, K (parent), width]
     child_vals, child_of = torch.sort(lattice.log_probs[:depth_limit].double(), dim=-1, descending=True, stable=True)
-    child_vals, child_of = child_vals[..., :width], child_of[..., :width]
+    child_vals, child_of = _discounted(child_vals[..., :width], params, depth_limit), child_of[..., :width]
     scores = torch.zeros(1, dtype=torch.float64, device=device)  # the root
     states = torch.zeros(1, dtype=torch.long, device=device)  # the root's row: at depth 1 every row is the anchor's
     parent_offset, next_offset = -1, 0
@@ -93,6 +93,16 @@ def build_lattice_tree(lattice: Lattice, params: TreeParams) -> DraftTree:
         levels.append((scores, parent + parent_offset, lattice.tokens[depth, states], torch.full_like(best, depth + 1)))
         parent_offset, next_offset = next_offset, next_offset + best.numel()
     return _merge_levels(levels, params.budget, depth_limit)
+
+
+def _discounted(log_probs: torch.Tensor, params: TreeParams, depth_limit: int) -> torch.Tensor:
+    """log_probs [D, ...] (float64, depth first) times depth d's weight ``params.depth_weights``; as they are
+    without a discount. Every factor is positive and every log-prob <= 0, so scores still fall along a path."""
+    weights = params.depth_weights(depth_limit)
+    if weights is None:
+        return log_probs
+    factor = torch.tensor(weights, dtype=log_probs.dtype, device=log_probs.device)
+    return log_probs * factor.view(-1, *([1] * (log_probs.dim() - 1)))
 
 
 def build_draft_tree(draft: Draft, params: TreeParams) -> DraftTree:

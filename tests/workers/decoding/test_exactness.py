@@ -278,6 +278,7 @@ STOP_ENGINES = [
     ("ddtree", TreeParams(8)),
     ("ddtree", TreeParams(32, branching=2)),
     ("ddtree", TreeParams(64, max_depth=4)),
+    ("ddtree", TreeParams(24, depth_discount=0.7)),
 ]
 
 

@@ -42,7 +42,8 @@ def _engine_lengths(tiny, engine: str, prompt, config, params) -> list[int]:
 
 
 QUICK_SETTINGS = (("dflash", DFlashParams()), ("dflash", DFlashParams(2)), ("ddtree", TreeParams(8)),
-                  ("ddtree", TreeParams(32, 3, 2)), ("ddtree", TreeParams(64, None, None)))
+                  ("ddtree", TreeParams(32, 3, 2)), ("ddtree", TreeParams(64, None, None)),
+                  ("ddtree", TreeParams(16, depth_discount=0.6)))
 
 
 @pytest.mark.parametrize("name", FIXTURES)
@@ -72,7 +73,7 @@ def test_budget_nesting_equals_trees_of_their_own_budget(request, name):
     tiny = models(request, name)
     table = replay.record(tiny.target, tiny.drafter, prompts(name)[3], GenerationConfig(24), top_k=64)
     for budget in (1, 2, 5, 16, 63):
-        for params in (TreeParams(budget), TreeParams(budget, 3, 2)):
+        for params in (TreeParams(budget), TreeParams(budget, 3, 2), TreeParams(budget, depth_discount=0.5)):
             own = replay.ddtree_lengths(table, params, BLOCK[name])
             assert replay.ddtree_lengths(table, params, BLOCK[name], ceiling=64) == own
 

@@ -265,6 +265,24 @@ def test_tree_is_the_top_n_prefixes_brute_force():
         np.testing.assert_allclose(np.sort(tree.log_probs.double().numpy())[::-1], best, rtol=0, atol=1e-5)
 
 
+def test_a_depth_discount_keeps_the_top_n_prefixes_of_the_discounted_scores():
+    """With depth_discount g a prefix scores sum_d g^(d-1) log p_d: the tree holds the n best prefixes
+    by that score (brute force over every prefix) and is still prefix-closed."""
+    rng = np.random.default_rng(5)
+    for log_probs, params in random_cases(seed=123, count=200):
+        gamma = float(rng.choice([0.3, 0.6, 0.9]))
+        discounted = TreeParams(params.budget, params.max_depth, params.branching, depth_discount=gamma)
+        tree = build_tree(log_probs, discounted)
+        scaled = log_probs * torch.tensor([gamma**d for d in range(log_probs.shape[0])], dtype=log_probs.dtype)[:, None]
+        best = np.sort(brute_force_log_probs(scaled, params))[::-1][: tree.num_nodes]
+        ours = np.sort(np.array([path_log_prob(scaled.tolist(), p) for p in node_paths(tree)]))[::-1]
+        np.testing.assert_allclose(ours, best, rtol=0, atol=1e-5, err_msg=f"{params} gamma={gamma}")
+        assert all(int(tree.parents[i]) < i for i in range(1, tree.num_nodes + 1))
+    assert TreeParams(8, depth_discount=1.0).depth_weights(3) is None
+    with pytest.raises(ValueError, match="depth_discount"):
+        TreeParams(8, depth_discount=1.5)
+
+
 def test_tree_nodes_are_distinct_prefixes():
     for log_probs, params in random_cases(seed=7, count=100):
         paths = node_paths(build_tree(log_probs, params))
