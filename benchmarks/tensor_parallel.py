@@ -5,7 +5,7 @@
 
 Random weights of a named shape (``workers.models.shapes``) with its random DFlash-shaped drafter,
 one random prompt of ``--context`` tokens. For 1 rank and then ``--ranks`` ranks (local processes,
-``workers.local_group``: NCCL with one GPU each, or gloo on the CPU) it prints, per rank count: the
+``tools.local_group``: NCCL with one GPU each, or gloo on the CPU) it prints, per rank count: the
 AR decode step and the DDTree round at each budget (ms, median over ``--reps`` generations), and
 the time of the collectives one forward makes (two all-reduces of the hidden state per layer, one
 gather of the logits), timed alone at q = 1. The last column is the issue's goal: the TP step over
@@ -96,7 +96,7 @@ def main() -> int:
     parser.add_argument("--budgets", default=BUDGETS)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
-    from workers.local_group import run_local_group
+    from tools.local_group import run_local_group
 
     backend = "nccl" if args.device == "cuda" else "gloo"
     results = {}

@@ -403,7 +403,7 @@ class Tracker:
             folder = Path(tmp)
             _write_trace_csv(trace, folder / "memory_trace.csv")
             _plot_trace(trace, folder / "memory_trace.png")
-            payload = result.to_json()  # the same shape as `python -m workers.bench --json`
+            payload = result.to_json()  # the same shape as `python -m tools.bench --json`
             (folder / "acceptance_histogram.json").write_text(json.dumps(payload["acceptance_histogram"]))
             (folder / "result.json").write_text(json.dumps(payload))
             self.client.log_artifacts(run_id, str(folder))

@@ -12,6 +12,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+from tools.tiny import TinyShape, write_tiny_pair  # noqa: E402
 from workers.models.drafter import DFlashDrafter
 from workers.models.loading import (  # noqa: E402
     Placement,
@@ -19,7 +20,6 @@ from workers.models.loading import (  # noqa: E402
     load_target,
 )
 from workers.models.static_target import make_target  # noqa: E402
-from workers.tiny import TinyShape, write_tiny_pair  # noqa: E402
 
 TINY = TinyShape()  # vocab 32, 4 target layers, 2 drafter layers, block 8; every drafter layer sees everything
 # The drafter of the user's real pair (z-lab/Qwen3.6-27B-DFlash) mixes causal sliding-window layers with

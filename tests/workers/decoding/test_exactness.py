@@ -19,10 +19,10 @@ import itertools
 import pytest
 import torch
 
+from tests.helpers.reference import AttentionTarget
 from workers.decoding import ar, ddtree, dflash, replay
 from workers.decoding.generation import GenerationConfig, GenerationOutput, StageTimer
 from workers.decoding.params import DFlashParams, TreeParams
-from workers.models.reference import AttentionTarget
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers.kernel_inputs import random_tree_parents
 from workers.models.deltanet import (
     MAX_PATH,
     TreeShape,
@@ -22,7 +23,6 @@ from workers.models.deltanet import (
     tree_delta_rule,
     window_after,
 )
-from workers.models.kernel_inputs import random_tree_parents
 from workers.models.tree_blocks import preorder, tree_blocks
 
 qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")

@@ -12,8 +12,8 @@ import copy
 import pytest
 import torch
 
+from tests.helpers.kernel_inputs import random_tree_parents
 from workers.models.deltanet import MAX_PATH, ancestor_table, tree_delta_rule
-from workers.models.kernel_inputs import random_tree_parents
 
 pytestmark = [
     pytest.mark.gpu,

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from workers.models.kernel_inputs import attention_pass_inputs, random_tree_parents
+from tests.helpers.kernel_inputs import attention_pass_inputs, random_tree_parents
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",

@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from tools.local_group import run_local_group
+from tools.tiny import TinyShape, write_tiny_pair
 from workers.decoding import ar, ddtree, dflash
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import DFlashParams, TreeParams
 from workers.errors import BadInputError
-from workers.local_group import run_local_group
 from workers.models.loading import Placement, load_drafter, load_target
 from workers.models.static_target import make_target
 from workers.models.tensor_parallel import TPGroup, shard_model
-from workers.tiny import TinyShape, write_tiny_pair
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

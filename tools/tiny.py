@@ -215,10 +215,10 @@ def write_prompts(path: Path, shape: TinyShape = TinyShape(), count: int = 8, le
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m workers.tiny FOLDER``: write the tiny target, drafter and a prompts file there."""
+    """``python -m tools.tiny FOLDER``: write the tiny target, drafter and a prompts file there."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m workers.tiny", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tools.tiny", description=main.__doc__)
     parser.add_argument("folder", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--distill-steps", type=int, default=600, help="drafter training steps (0: random drafter)")

@@ -3,7 +3,7 @@
 ``run_local_group(world, fn, args)`` spawns ``world`` processes (torch.multiprocessing, spawn start
 method), each joins the group (gloo on CPU, nccl on CUDA with one GPU per rank, seen as cuda:0) and
 calls ``fn(tp, *args)``; it returns every rank's outcome (its return value or its error) once all
-have ended. ``workers.bench --tensor-parallel N`` and the tensor-parallel tests use it; a Ray actor
+have ended. ``tools.bench --tensor-parallel N`` and the tensor-parallel tests use it; a Ray actor
 group does the same job across actors (``orchestrator``).
 
     outcomes = run_local_group(2, my_function, ("arg",))
