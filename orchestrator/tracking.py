@@ -506,7 +506,7 @@ def sweep_params(config) -> dict[str, Any]:
         "workers": workers.count,
         "gpus_per_worker": workers.gpus_per_worker,
         "parallel": workers.parallel,  # layers | tensor
-        "tp_ranks": workers.tp_ranks,  # processes per worker (1 for a layer split)
+        "tp_ranks": workers.world_size,  # processes per worker (1 for a layer split); the key runs have recorded
         "max_memory_per_gpu": workers.max_memory_per_gpu,
         "cuda_graphs": workers.cuda_graphs,
         "sampler": config.sampler.type,

@@ -1,7 +1,6 @@
-"""How the packages (the runtime, tools/, tests/) import each other: no circles (imports inside functions
-count), and the sweep's
-driver, config, tracker and report load without torch or transformers (they only plan, check and
-record; the actors load the models)."""
+"""How the packages (the runtime, tools/, tests/) import each other: no circles (imports inside
+functions count), and the sweep's driver, config, tracker and report load without torch or
+transformers (they only plan, check and record; the actors load the models)."""
 
 from __future__ import annotations
 

@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-baseline", action="store_true", help="skip the AR baseline (no speedup / lossless_match)")
     p.add_argument("--stage-timing", action="store_true",
                    help="time each round stage (share_* metrics); synchronises the device, so it slows decoding")
-    p.add_argument("--tensor-parallel", type=_positive("--tensor-parallel"), default=1,
+    p.add_argument("--tensor-parallel", dest="world_size", metavar="N", type=_positive("--tensor-parallel"), default=1,
                    help="shard the target over N local processes (one GPU each; gloo on the CPU)")
     p.add_argument("--local-files-only", action="store_true",
                    help="models from this machine only (a folder or the local Hugging Face cache), never the network; "
@@ -137,10 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     from workers.wire import TrialStatus
 
-    if args.tensor_parallel > 1:
+    if args.world_size > 1:
         from tools.local_group import run_local_group
 
-        outcomes = run_local_group(args.tensor_parallel, _bench_rank, (args, params))
+        outcomes = run_local_group(args.world_size, _bench_rank, (args, params))
         failed = [o for o in outcomes if not o.ok]
         if failed:
             print(f"tools.bench: tensor-parallel rank {failed[0].rank} failed: {failed[0].error}", file=sys.stderr)
@@ -187,7 +187,7 @@ def _bench(args: argparse.Namespace, params: MethodParams, tp=None):
         config = WorkerConfig(target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device,
                               chat_template=not args.no_chat_template, enable_thinking=args.enable_thinking,
                               cuda_graphs=not args.no_cuda_graphs, compile_layers=args.compile_layers,
-                              tensor_parallel=args.tensor_parallel, local_files_only=args.local_files_only,
+                              world_size=args.world_size, local_files_only=args.local_files_only,
                               drafter_local_files_only=args.local_files_only)
         warning = thinking_warning(args.drafter, args.enable_thinking)
         if warning and (tp is None or tp.rank == 0):

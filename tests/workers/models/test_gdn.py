@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers.kernel_inputs import random_tree_parents
-from workers.models.deltanet import (
+from workers.models.gdn import (
     MAX_PATH,
     TreeShape,
     ancestor_table,
