@@ -75,4 +75,4 @@ test-kernels: $(KERNELS)/.installed
 	PYTHONPATH=$(KERNELS) $(PY) -m pytest -q tests/workers/models/test_kernel_resources.py
 
 lint: install
-	$(PY) -m ruff check workers orchestrator tests benchmarks
+	$(PY) -m ruff check workers orchestrator tools tests benchmarks

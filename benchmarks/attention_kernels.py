@@ -18,9 +18,9 @@ import torch
 from forward_anatomy import graphed
 from gpu_speed import copy_bandwidth, median_ms
 
+from tests.helpers.kernel_inputs import attention_pass_inputs
 from workers.models import attention_triton
 from workers.models.attention import attend_folded
-from workers.models.kernel_inputs import attention_pass_inputs
 from workers.models.shapes import TARGETS
 
 TILES = [(64, 64, 8, 2), (64, 32, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2), (128, 32, 8, 2), (64, 32, 8, 3)]

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
+from tools.tiny import write_tiny_pair
 from workers.decoding import ar, ddtree, dflash
 from workers.decoding.generation import GenerationConfig, StageTimer, device_sync
 from workers.decoding.params import DFlashParams, TreeParams
@@ -23,7 +24,6 @@ from workers.models.drafter import DFlashDrafter
 from workers.models.drafter_config import DrafterSpec
 from workers.models.static_target import make_target
 from workers.prompts import Prompt
-from workers.tiny import write_tiny_pair
 from workers.wire import TrialSpec, WorkerConfig
 from workers.worker import Worker
 

@@ -2,7 +2,7 @@
 
     python benchmarks/demo_pair.py [--folder data/demo_pair] [--limit 8] [--max-new-tokens 64] [--budgets 16,64,256]
 
-The default folder is the pair the repository ships (``workers.demo_pair`` rebuilds it).
+The default folder is the pair the repository ships (``tools.demo_pair`` rebuilds it).
 
 Loads the pair through the project's own loading code (load_target, load_tokenizer, load_drafter),
 encodes the prompts without a chat template, and runs greedy AR, DFlash (full chain) and DDTree at
@@ -19,10 +19,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from tools.demo_pair import SHIPPED
 from workers.decoding import ar, ddtree, dflash
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import DFlashParams, TreeParams
-from workers.demo_pair import SHIPPED
 from workers.metrics import summarize
 from workers.models.facts import load_tokenizer
 from workers.models.loading import Placement, load_drafter, load_target

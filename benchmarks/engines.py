@@ -18,13 +18,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from tools.tiny import TinyShape, write_tiny_pair
 from workers.decoding import ar, ddtree, dflash
 from workers.decoding.generation import GenerationConfig, StageTimer
 from workers.decoding.params import DFlashParams, TreeParams
 from workers.metrics import summarize
 from workers.models.loading import Placement, load_drafter, load_target
 from workers.models.static_target import make_target
-from workers.tiny import TinyShape, write_tiny_pair
 
 SHAPES = {
     "tiny": TinyShape(),

@@ -1,4 +1,4 @@
-"""Gated DeltaNet tree pass pieces at a real model's head sizes, one layer, on CUDA.
+"""GDN tree pass pieces at a real model's head sizes, one layer, on CUDA.
 
     python benchmarks/gdn_kernels.py [--shape qwen3.6-27b]
 
@@ -17,7 +17,7 @@ import torch
 from forward_anatomy import graphed
 from gpu_speed import median_ms
 
-from workers.models.deltanet import ancestor_table, tree_delta_rule_normalized
+from workers.models.gdn import ancestor_table, tree_delta_rule_normalized
 from workers.models.gdn_triton import tree_outputs
 from workers.models.shapes import TARGETS
 from workers.models.tree_blocks import tree_blocks

@@ -26,12 +26,12 @@ import time
 
 import torch
 
+from tests.helpers.reference import AttentionTarget
 from workers.decoding import ar, ddtree, dflash
 from workers.decoding.drafting import EagerDrafting, open_drafting
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import DFlashParams, TreeParams
 from workers.decoding.tree import build_tree, follow_tree
-from workers.models.reference import AttentionTarget
 from workers.models.shapes import build_random_drafter, build_random_target
 from workers.models.static_target import StaticTarget
 from workers.seam import is_hybrid

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from workers.tiny import TinyShape, write_prompts, write_tiny_pair
+from tools.tiny import TinyShape, write_prompts, write_tiny_pair
 
 SHAPE = TinyShape(vocab_size=32000, hidden_size=1024, num_layers=12, num_heads=8, num_kv_heads=4,
                   intermediate_size=3072, drafter_layers=2, block_size=16, init_std=0.05)

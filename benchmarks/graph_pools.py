@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from workers.models.deltanet import tree_state_bytes
+from workers.models.gdn import tree_state_bytes
 from workers.models.placement import RunBudget, graph_activation_bytes
 from workers.models.shapes import build_random_target
 from workers.models.static_target import StaticTarget

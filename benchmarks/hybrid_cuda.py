@@ -1,4 +1,4 @@
-"""Hybrid (Gated DeltaNet) targets on CUDA: correctness checks and tau-independent costs, one table each.
+"""Hybrid (GDN) targets on CUDA: correctness checks and tau-independent costs, one table each.
 
     python benchmarks/hybrid_cuda.py [--context 1024] [--reps 5]
 
@@ -27,9 +27,9 @@ from workers.decoding import ar, ddtree, dflash
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import DFlashParams, TreeParams
 from workers.decoding.tree import build_tree
-from workers.models.deltanet import full_state_bytes, tree_state_bytes
 from workers.models.drafter import DFlashDrafter
 from workers.models.drafter_config import DrafterSpec
+from workers.models.gdn import full_state_bytes, tree_state_bytes
 from workers.models.static_target import StaticTarget
 
 

@@ -30,7 +30,7 @@ from triton.compiler import ASTSource
 from workers.decoding import tree_triton
 from workers.decoding.params import TreeParams
 from workers.decoding.tree import build_tree
-from workers.models import attention_triton, deltanet, fused_hybrid_triton, gdn_triton
+from workers.models import attention_triton, fused_hybrid_triton, gdn, gdn_triton
 from workers.models.shapes import TARGETS
 
 # the most shared memory one block may use (opt-in), per compute capability (CUDA programming guide)
@@ -95,8 +95,8 @@ def launches(shape: dict, q: int = 257) -> list[Launch]:
     channels = (2 * hk + h) * d
     bf16, f32 = torch.bfloat16, torch.float32
     parents = torch.cat((torch.tensor([-1]), torch.arange(q - 1) // 2))  # a binary tree, depth < 15 for q = 257
-    ancestors = deltanet.ancestor_table(parents)
-    lag = deltanet.conv_lag_index(parents, taps - 1)
+    ancestors = gdn.ancestor_table(parents)
+    lag = gdn.conv_lag_index(parents, taps - 1)
     inputs = torch.zeros(q, channels, dtype=bf16)
     gates = (torch.zeros(q, h, dtype=bf16), torch.zeros(q, h, dtype=bf16), torch.zeros(h), torch.zeros(h))
     with recording(gdn_triton, "_prologue_kernel", "GDN prologue (conv, norms, gates)", out):
@@ -181,7 +181,7 @@ def main() -> int:
     arches = [int(a) for a in args.arch.split(",")]
     shape = TARGETS[args.shape]
     if "linear_num_key_heads" not in shape:
-        parser.error(f"--shape {args.shape}: not a hybrid (Gated DeltaNet) target; these kernels are the hybrids'")
+        parser.error(f"--shape {args.shape}: not a hybrid (GDN) target; these kernels are the hybrids'")
     print(f"{args.shape}: Triton {triton.__version__}; per architecture: shared = bytes per block / the "
           "most a block may have, regs = registers per thread, stack = bytes spilled per thread")
     print(f"{'kernel':<52}{'warps':>6}" + "".join(f"{f'sm_{a} shared':>20}{'regs':>6}{'stack':>7}" for a in arches))

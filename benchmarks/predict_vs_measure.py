@@ -28,13 +28,13 @@ from pathlib import Path
 
 import torch
 
+from tools.tiny import TinyShape, write_tiny_pair
 from workers.costs import CostTable, predict
 from workers.decoding.methods import entry
 from workers.decoding.params import ReplayPlan
 from workers.decoding.replay import ReplayTable
 from workers.metrics import quantile
 from workers.prompts import Prompt, PromptSource, load_source
-from workers.tiny import TinyShape, write_tiny_pair
 from workers.wire import TrialSpec, WorkerConfig
 from workers.worker import Worker
 

@@ -5,7 +5,7 @@
 
 Random weights of a named shape (``workers.models.shapes``) with its random DFlash-shaped drafter,
 one random prompt of ``--context`` tokens. For 1 rank and then ``--ranks`` ranks (local processes,
-``workers.local_group``: NCCL with one GPU each, or gloo on the CPU) it prints, per rank count: the
+``tools.local_group``: NCCL with one GPU each, or gloo on the CPU) it prints, per rank count: the
 AR decode step and the DDTree round at each budget (ms, median over ``--reps`` generations), and
 the time of the collectives one forward makes (two all-reduces of the hidden state per layer, one
 gather of the logits), timed alone at q = 1. The last column is the issue's goal: the TP step over
@@ -32,10 +32,10 @@ def measure(tp, args: argparse.Namespace) -> dict:
     from workers.wire import WorkerConfig
     from workers.worker import Worker
 
-    world = 1 if tp is None else tp.world
+    world_size = 1 if tp is None else tp.world_size
     config = WorkerConfig(target=f"random:{args.shape}", drafter=f"random:{args.shape}", dtype=args.dtype,
-                          device=args.device, tensor_parallel=world)
-    worker = Worker(config).load(tp if world > 1 else None)
+                          device=args.device, world_size=world_size)
+    worker = Worker(config).load(tp if world_size > 1 else None)
     device = worker.target.device
     vocab = worker.model.get_input_embeddings().weight.shape[0]
     prompt = torch.randint(1, vocab - 1, (1, args.context), generator=torch.Generator().manual_seed(0))
@@ -52,7 +52,7 @@ def measure(tp, args: argparse.Namespace) -> dict:
         for budget in (int(b) for b in args.budgets.split(",")):
             rows[f"ddtree B={budget}"] = per_round_ms(ddtree.generate, worker.drafter, TreeParams(budget))
     collectives_ms = 0.0
-    if world > 1:  # one forward's collectives at q = 1: 2 all-reduces per layer, one logits gather
+    if world_size > 1:  # one forward's collectives at q = 1: 2 all-reduces per layer, one logits gather
         layers = len(worker.target.layers)
         hidden = torch.zeros(1, 1, worker.model.config.get_text_config().hidden_size, dtype=worker.target.dtype,
                              device=device)
@@ -96,17 +96,17 @@ def main() -> int:
     parser.add_argument("--budgets", default=BUDGETS)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
-    from workers.local_group import run_local_group
+    from tools.local_group import run_local_group
 
     backend = "nccl" if args.device == "cuda" else "gloo"
     results = {}
-    for world in (1, args.ranks):
-        outcomes = run_local_group(world, _rank, (args,), backend=backend)
+    for world_size in (1, args.ranks):
+        outcomes = run_local_group(world_size, _rank, (args,), backend=backend)
         failed = [o for o in outcomes if not o.ok]
         if failed:
-            print(f"tensor_parallel.py: {world} rank(s): rank {failed[0].rank} failed: {failed[0].error}")
+            print(f"tensor_parallel.py: {world_size} rank(s): rank {failed[0].rank} failed: {failed[0].error}")
             return 1
-        results[world] = outcomes[0].value
+        results[world_size] = outcomes[0].value
     one, many = results[1], results[args.ranks]
     print(f"{args.shape}, {args.dtype} on {args.device}, context {args.context}, {args.new_tokens} new tokens; "
           f"TP={args.ranks} collectives per forward (q=1, timed alone): {many['collectives_ms']:.2f} ms")

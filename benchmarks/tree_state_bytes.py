@@ -3,7 +3,7 @@
     python benchmarks/tree_state_bytes.py [--shape qwen3.6-27b] [--dtype bfloat16]
 
 ``tree_state_bytes`` is what ``StaticTarget`` keeps between a verify pass and its commit (the
-per-node vectors of every Gated DeltaNet layer); "full state per node" is the naive fork that keeps
+per-node vectors of every GDN layer); "full state per node" is the naive fork that keeps
 a float32 recurrent state for every node. Computed from the config (tests check the formula against
 the bytes a real small hybrid model holds).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from workers.models.deltanet import GATHER_BYTES, full_state_bytes, tree_state_bytes
+from workers.models.gdn import GATHER_BYTES, full_state_bytes, tree_state_bytes
 from workers.models.loading import parse_dtype
 from workers.models.shapes import target_config
 
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args(argv)
     config, dtype = target_config(args.shape), parse_dtype(args.dtype)
-    print(f"{args.shape}: {sum(t == 'linear_attention' for t in config.layer_types)} Gated DeltaNet layers, "
+    print(f"{args.shape}: {sum(t == 'linear_attention' for t in config.layer_types)} GDN layers, "
           f"{config.linear_num_value_heads} value heads of "
           f"{config.linear_key_head_dim}x{config.linear_value_head_dim}, "
           f"model dtype {args.dtype}; the torch tree form gathers at most "

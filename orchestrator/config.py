@@ -81,7 +81,7 @@ class WorkersSection(_Strict):
         return value
 
     @property
-    def tp_ranks(self) -> int:
+    def world_size(self) -> int:
         """Processes per worker: 1 for a layer split, else the tensor-parallel group's size."""
         if self.parallel == "layers":
             return 1

@@ -66,7 +66,7 @@ class GenerationActor:
             "devices": _device_names(),  # for the parent run's env.devices
             "host": platform.node(),
             "parallel": "tensor" if self.group else "layers",
-            "ranks": self.group.plan.ranks if self.group else 1,
+            "ranks": self.group.plan.world_size if self.group else 1,
             "rank_pids": [os.getpid(), *(info["pid"] for info in self.group.infos)] if self.group else [os.getpid()],
         }
 
@@ -145,7 +145,7 @@ def worker_config(config: SweepConfig) -> dict[str, Any]:
             dtype=config.target.dtype,
             device=config.workers.device if config.workers.device != "auto" else ("cuda" if gpus > 0 else "cpu"),
             gpus=max(actor_gpus(config), 1),
-            tensor_parallel=config.workers.tp_ranks,
+            world_size=config.workers.world_size,
             max_memory_per_gpu=config.workers.max_memory_per_gpu,
             cuda_graphs=config.workers.cuda_graphs,
             compile_layers=config.workers.compile_layers,
@@ -209,10 +209,10 @@ def start_worker(config: SweepConfig) -> tuple[Any, PlacementGroup | None]:
     workers = config.workers
     if workers.parallel == "layers":
         return start_actor(config), None
-    reservation = tp_group.reserve(actor_needs(config), workers.tp_ranks)
+    reservation = tp_group.reserve(actor_needs(config), workers.world_size)
     backend = "nccl" if worker_config(config)["device"] == "cuda" else "gloo"
     # the other ranks are never restarted on their own: a rank's death restarts the whole worker
-    plan = GroupPlan(reservation, workers.tp_ranks, backend, workers.join_timeout_s,
+    plan = GroupPlan(reservation, workers.world_size, backend, workers.join_timeout_s,
                      actor_options(config) | {"max_restarts": 0})
     return start_actor(config, plan), reservation
 
@@ -227,8 +227,8 @@ def actor_needs(config: SweepConfig) -> dict[str, float]:
 
 def worker_needs(config: SweepConfig) -> dict[str, float]:
     """Ray resources one worker needs on ONE node: its actor's, times its ranks when tensor-parallel."""
-    ranks = config.workers.tp_ranks
-    return {name: amount * ranks for name, amount in actor_needs(config).items()}
+    world_size = config.workers.world_size
+    return {name: amount * world_size for name, amount in actor_needs(config).items()}
 
 
 def check_resources(config: SweepConfig) -> None:
@@ -243,17 +243,17 @@ def check_resources(config: SweepConfig) -> None:
     for node in nodes:
         have = node.get("Resources", {})
         fit += min(int(have.get(name, 0.0) / amount + 1e-9) for name, amount in needs.items())
-    wanted, ranks = config.workers.count, config.workers.tp_ranks
+    wanted, world_size = config.workers.count, config.workers.world_size
     if fit >= wanted:
         return
     total, free = ray.cluster_resources(), ray.available_resources()
     names = sorted(needs)
-    each = "each" if ranks == 1 else f"each ({ranks} tensor-parallel ranks, all on one node)"
+    each = "each" if world_size == 1 else f"each ({world_size} tensor-parallel ranks, all on one node)"
     raise BadInputError(
         f"workers: {wanted} worker(s) need {_amounts(needs, names)} {each}, but the Ray cluster "
         f"({len(nodes)} node(s)) has {_amounts(total, names)} in all ({_amounts(free, names)} free now): "
         f"{fit} worker(s) fit. Lower workers.count or workers.gpus_per_worker"
-        + (" / workers.ranks" if ranks > 1 else "") + ", or give a local Ray more with ray.num_gpus / ray.num_cpus"
+        + (" / workers.ranks" if world_size > 1 else "") + ", or give a local Ray more with ray.num_gpus / ray.num_cpus"
     )
 
 

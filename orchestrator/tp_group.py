@@ -44,20 +44,20 @@ class GroupPlan:
     """What rank 0 needs to start and join its group (made by the driver, sent to rank 0)."""
 
     placement_group: PlacementGroup
-    ranks: int
+    world_size: int
     backend: str  # "nccl" | "gloo"
     timeout_s: float  # joining, and every collective
     rank_options: dict[str, Any]  # Ray options of one rank (resources, env), without its placement
 
 
-def bundles(rank_needs: dict[str, float], ranks: int) -> list[dict[str, float]]:
+def bundles(rank_needs: dict[str, float], world_size: int) -> list[dict[str, float]]:
     """One bundle per rank: its CPU, its GPU (none on CPU) and the worker's custom resources."""
-    return [dict(rank_needs) for _ in range(ranks)]
+    return [dict(rank_needs) for _ in range(world_size)]
 
 
-def reserve(rank_needs: dict[str, float], ranks: int) -> PlacementGroup:
+def reserve(rank_needs: dict[str, float], world_size: int) -> PlacementGroup:
     # STRICT_PACK: every rank on one node (the group's collectives stay on the host's links)
-    return placement_group(bundles(rank_needs, ranks), strategy="STRICT_PACK")
+    return placement_group(bundles(rank_needs, world_size), strategy="STRICT_PACK")
 
 
 def release(group: PlacementGroup | None) -> None:
@@ -72,12 +72,12 @@ def in_bundle(group: PlacementGroup, index: int) -> PlacementGroupSchedulingStra
 class RankActor:
     """Ranks 1..N-1: join the group, load, then run whatever rank 0 forwards, in the same order."""
 
-    def __init__(self, worker_config: dict[str, Any], rank: int, world: int, init_method: str, backend: str,
+    def __init__(self, worker_config: dict[str, Any], rank: int, world_size: int, init_method: str, backend: str,
                  timeout_s: float) -> None:
         from workers.models.tensor_parallel import join_group  # the rank's process loads torch, not the driver
         from workers.worker import Worker
 
-        tp = join_group(rank, world, init_method, backend, timeout_s)
+        tp = join_group(rank, world_size, init_method, backend, timeout_s)
         self.worker = Worker(WorkerConfig(**worker_config)).load(tp)
 
     def info(self) -> dict[str, Any]:
@@ -104,8 +104,8 @@ class RankGroup:
         remote = ray.remote(concurrency_groups={"lifeline": 1})(RankActor)
         self.others = [
             remote.options(**plan.rank_options, scheduling_strategy=in_bundle(plan.placement_group, rank)).remote(
-                worker_config, rank, plan.ranks, self.init_method, plan.backend, plan.timeout_s)
-            for rank in range(1, plan.ranks)
+                worker_config, rank, plan.world_size, self.init_method, plan.backend, plan.timeout_s)
+            for rank in range(1, plan.world_size)
         ]
         self.infos: list[dict[str, Any]] = []
 
@@ -114,9 +114,9 @@ class RankGroup:
         try:
             from workers.models.tensor_parallel import join_group  # in rank 0's actor, never in the driver
 
-            return join_group(0, self.plan.ranks, self.init_method, self.plan.backend, self.plan.timeout_s)
+            return join_group(0, self.plan.world_size, self.init_method, self.plan.backend, self.plan.timeout_s)
         except RuntimeError as exc:  # torch's store / process-group errors (timeouts included)
-            raise GroupError(f"tensor-parallel group of {self.plan.ranks} ranks did not form within "
+            raise GroupError(f"tensor-parallel group of {self.plan.world_size} ranks did not form within "
                              f"{self.plan.timeout_s:g}s (workers.join_timeout_s): {self._problems() or exc}") from exc
 
     def wait_ready(self) -> None:

@@ -403,7 +403,7 @@ class Tracker:
             folder = Path(tmp)
             _write_trace_csv(trace, folder / "memory_trace.csv")
             _plot_trace(trace, folder / "memory_trace.png")
-            payload = result.to_json()  # the same shape as `python -m workers.bench --json`
+            payload = result.to_json()  # the same shape as `python -m tools.bench --json`
             (folder / "acceptance_histogram.json").write_text(json.dumps(payload["acceptance_histogram"]))
             (folder / "result.json").write_text(json.dumps(payload))
             self.client.log_artifacts(run_id, str(folder))
@@ -506,7 +506,7 @@ def sweep_params(config) -> dict[str, Any]:
         "workers": workers.count,
         "gpus_per_worker": workers.gpus_per_worker,
         "parallel": workers.parallel,  # layers | tensor
-        "tp_ranks": workers.tp_ranks,  # processes per worker (1 for a layer split)
+        "tp_ranks": workers.world_size,  # processes per worker (1 for a layer split); the key runs have recorded
         "max_memory_per_gpu": workers.max_memory_per_gpu,
         "cuda_graphs": workers.cuda_graphs,
         "sampler": config.sampler.type,

@@ -12,6 +12,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+from tools.tiny import TinyShape, write_tiny_pair  # noqa: E402
 from workers.models.drafter import DFlashDrafter
 from workers.models.loading import (  # noqa: E402
     Placement,
@@ -19,14 +20,13 @@ from workers.models.loading import (  # noqa: E402
     load_target,
 )
 from workers.models.static_target import make_target  # noqa: E402
-from workers.tiny import TinyShape, write_tiny_pair  # noqa: E402
 
 TINY = TinyShape()  # vocab 32, 4 target layers, 2 drafter layers, block 8; every drafter layer sees everything
 # The drafter of the user's real pair (z-lab/Qwen3.6-27B-DFlash) mixes causal sliding-window layers with
 # a full one; here with a window of 8, shorter than most contexts of the tests, so the window binds.
 MIXED_DRAFTER = {"drafter_layer_types": ("sliding_attention", "full_attention"), "drafter_window": 8}
 TINY_SMALL_VOCAB = TinyShape(vocab_size=6, block_size=6, **MIXED_DRAFTER)  # chains get accepted often
-# Hybrid targets (Gated DeltaNet + attention layers): Qwen3.5 with a small vocabulary so drafts are
+# Hybrid targets (GDN + attention layers): Qwen3.5 with a small vocabulary so drafts are
 # accepted often, and Qwen3-Next (fused projections, MoE MLPs) at the default vocabulary, whose
 # drafter makes every layer sliding and non-causal (dflash_config.use_swa, as MiMo's drafters do).
 TINY_HYBRID = TinyShape(vocab_size=6, block_size=6, arch="qwen3_5", **MIXED_DRAFTER)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # a path is checked when it starts with one of these (the repository's tracked top-level folders and files)
-FOLDERS = ("workers", "orchestrator", "tests", "benchmarks", "sweeps", "docs", "data", "notebooks", ".ci")
+FOLDERS = ("workers", "orchestrator", "tools", "tests", "benchmarks", "sweeps", "docs", "data", "notebooks", ".ci")
 FILES = ("Makefile", "pyproject.toml", "README.md")
-PACKAGES = ("workers", "orchestrator", "benchmarks")  # `python -m <module>` names checked as modules
+PACKAGES = ("workers", "orchestrator", "tools", "benchmarks")  # `python -m <module>` names checked as modules
 
 WORDS = re.compile(r"[\s=\"'()\[\]`*;]+")  # what separates words in prose, markdown and shell
 LINK = re.compile(r"\]\(([^)\s]+)\)")

@@ -1,6 +1,6 @@
-"""How the packages import each other: no circles (imports inside functions count), and the sweep's
-driver, config, tracker and report load without torch or transformers (they only plan, check and
-record; the actors load the models)."""
+"""How the packages (the runtime, tools/, tests/) import each other: no circles (imports inside
+functions count), and the sweep's driver, config, tracker and report load without torch or
+transformers (they only plan, check and record; the actors load the models)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("workers", "orchestrator")
+PACKAGES = ("workers", "orchestrator", "tools", "tests")  # the runtime, the offline tools, the tests
 
 
 def modules(root: Path) -> dict[str, Path]:

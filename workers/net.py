@@ -1,5 +1,5 @@
 """A free TCP port, without torch: where a tensor-parallel group's ranks meet (the driver picks it,
-``orchestrator.tp_group``; local test groups too, ``workers.local_group``)."""
+``orchestrator.tp_group``; local test groups too, ``tools.local_group``)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from workers.errors import UnsupportedModelError
 
 # model_type values whose every layer is softmax attention over a KV cache we can index.
 ATTENTION_ONLY_TYPES = frozenset({"qwen3", "qwen3_moe", "qwen2", "qwen2_moe", "llama", "mistral"})
-# model_type values mixing Gated DeltaNet ("linear_attention") and "full_attention" layers.
+# model_type values mixing GDN (Gated DeltaNet; transformers' "linear_attention") and "full_attention" layers.
 HYBRID_TYPES = frozenset({"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"})
 HYBRID_LAYER_TYPES = frozenset({"linear_attention", "full_attention"})
 

@@ -93,7 +93,7 @@ class WorkerConfig:
     enable_thinking: bool = False  # only for targets whose template has the switch
     cuda_graphs: bool = True  # replay verify passes as CUDA graphs (a whole target on one GPU); False to debug
     compile_layers: bool = False  # torch.compile the decoder layers too (faster forwards; compiles per pass width)
-    tensor_parallel: int = 1  # ranks the target is sharded over (one process and device each; see load(tp))
+    world_size: int = 1  # ranks the target is sharded over (one process and device each; see load(tp))
 
 
 @dataclass(frozen=True)

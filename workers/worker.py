@@ -8,7 +8,7 @@ same moment on the same actor. A CUDA out-of-memory error
 becomes a result with status "oom" (memory freed, worker still usable); any other exception becomes
 status "error" with its message. Ray wraps this class in the orchestrator; it does not need Ray.
 
-Tensor parallel (``tensor_parallel = N``): N workers, one per rank of a ``TPGroup``, each call
+Tensor parallel (``world_size = N``): N workers, one per rank of a ``TPGroup``, each call
 ``load(tp)`` (every rank reads the checkpoint on the CPU, keeps its shard, moves only that to its
 device, and loads the drafter whole) and then ``run_trial`` with the same spec. Every rank runs the same rounds in
 lockstep; only rank 0 gets ``on_prompt``, and its stop decision is broadcast after each prompt.
@@ -66,14 +66,14 @@ class Worker:
 
     def load(self, tp: TPGroup | None = None) -> Worker:
         """Load target and drafter. ``tp``: this process's rank of a tensor-parallel group of
-        ``config.tensor_parallel`` ranks; this rank's shard of the target goes onto this process's
+        ``config.world_size`` ranks; this rank's shard of the target goes onto this process's
         device (its GPU as cuda:0, or the CPU), see ``_load_shard``."""
         cfg = self.config
-        world = 1 if tp is None else tp.world
-        if world != cfg.tensor_parallel:
-            raise BadInputError(f"tensor_parallel={cfg.tensor_parallel} but this worker was given a group of {world} "
+        world_size = 1 if tp is None else tp.world_size
+        if world_size != cfg.world_size:
+            raise BadInputError(f"tensor_parallel={cfg.world_size} but this worker was given a group of {world_size} "
                                 f"rank(s); start one worker per rank and pass each its TPGroup")
-        self.tp = tp if world > 1 else None
+        self.tp = tp if world_size > 1 else None
         if self.tp is not None:
             self.model = self._load_shard(self.tp)
         else:
@@ -104,7 +104,7 @@ class Worker:
             from workers.models.placement import plan_tensor_parallel
 
             config = AutoConfig.from_pretrained(cfg.target, local_files_only=cfg.local_files_only)
-            plan_tensor_parallel(config, torch.cuda.get_device_properties(device).total_memory, tp.world,
+            plan_tensor_parallel(config, torch.cuda.get_device_properties(device).total_memory, tp.world_size,
                                  parse_dtype(cfg.dtype), self._drafter_bytes(tensor_parallel=True))
         staging = Placement(device=str(device) if random_target else "cpu")
         model = load_target(cfg.target, cfg.dtype, staging, cfg.attn_implementation, cfg.local_files_only)
@@ -154,7 +154,7 @@ class Worker:
                                     [b.token_ids for b in baseline], self.model.get_input_embeddings().weight.dtype)
                 metrics |= audit_metrics(divergences)
                 warnings += [w for w in (unexplained_warning(divergences),) if w]
-            if state_bytes is not None:  # hybrid targets: per-node linear-attention data held per round
+            if state_bytes is not None:  # hybrid targets: per-node GDN data held per round
                 metrics["tree_state_bytes"] = float(state_bytes)
         except torch.cuda.OutOfMemoryError as exc:
             status, error = TrialStatus.OOM, f"{type(exc).__name__}: {exc}"
@@ -199,7 +199,7 @@ class Worker:
         """Fault injection: this trial's third lm_head call on the group's last rank (the only rank
         alone) runs out of memory, mid-pass, while the other ranks wait for it in the logits' gather.
         Returns the hook's handle (to remove)."""
-        if self.tp is not None and self.tp.rank != self.tp.world - 1:
+        if self.tp is not None and self.tp.rank != self.tp.world_size - 1:
             return None
         calls = []
 
@@ -231,8 +231,9 @@ class Worker:
 
         With ``spec.baseline`` each prompt runs AR just before the method, both warmed up first: the
         speedup then compares runs of the same moment on the same actor (a baseline measured once, on a
-        cold actor, read AR up to a quarter slow and every speedup as much too high). ``lockstep``: the
-        trial's own run, where (tensor parallel) every rank takes rank 0's stop decision after each prompt.
+        cold actor, read AR slow and every speedup too high: ``benchmarks/results/gpu_sweep_27b_h200.md``).
+        ``lockstep``: the trial's own run, where (tensor parallel) every rank takes rank 0's stop decision
+        after each prompt.
         """
         runs = [(METHODS[spec.method], spec.params)]
         if spec.baseline:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from workers.tiny import TinyShape, write_prompts, write_tiny_pair
+from tools.tiny import TinyShape, write_prompts, write_tiny_pair
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = TinyShape()

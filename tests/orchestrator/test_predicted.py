@@ -21,6 +21,7 @@ from optuna.trial import TrialState
 from orchestrator.config import load_sweep
 from orchestrator.report import main as report_main
 from tests.orchestrator.conftest import run_sweep, sweep_dict, write_sweep
+from tools.tiny import TinyShape, write_prompts, write_tiny_pair
 from workers.decoding import ddtree
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import TreeParams
@@ -29,7 +30,6 @@ from workers.errors import BadInputError
 from workers.models.loading import Placement, load_drafter, load_target
 from workers.models.static_target import make_target
 from workers.prompts import PromptSource, load_source
-from workers.tiny import TinyShape, write_prompts, write_tiny_pair
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 # drafts are often accepted (tau differs by setting); the drafter mixes sliding and full layers, as the real one

@@ -1,4 +1,4 @@
-"""``python -m workers.bench``: the JSON contract other tools rely on, and its errors (real subprocesses)."""
+"""``python -m tools.bench``: the JSON contract other tools rely on, and its errors (real subprocesses)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.tiny import write_prompts
+from tools.tiny import write_prompts
 
 pytestmark = pytest.mark.slow  # the bench CLI in subprocesses
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow  # the bench CLI in subprocesses
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = os.environ | {"HF_HUB_OFFLINE": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "workers.bench", *args], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-m", "tools.bench", *args], capture_output=True, text=True, env=env, timeout=300
     )
 
 

@@ -1,4 +1,4 @@
-"""``python -m workers.demo_pair``: the demo pair's training path on a tiny slice of the standard
+"""``python -m tools.demo_pair``: the demo pair's training path on a tiny slice of the standard
 library (the QUICK recipe, seconds), loaded back through the project's own loading code; the
 drafter's block-parallel training forward against its decoding forward; the cache key; and the pair
 the repository ships (``data/demo_pair``, what ``make demo`` runs): its recipe and its acceptance."""
@@ -11,10 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from workers.decoding import ar, ddtree, dflash
-from workers.decoding.generation import GenerationConfig
-from workers.decoding.params import DFlashParams, TreeParams
-from workers.demo_pair import (
+from tools.demo_pair import (
     HELD_OUT,
     QUICK,
     SHIPPED,
@@ -25,7 +22,10 @@ from workers.demo_pair import (
     read_recipe,
     stdlib_files,
 )
-from workers.drafter_training import block_hidden
+from tools.drafter_training import block_hidden
+from workers.decoding import ar, ddtree, dflash
+from workers.decoding.generation import GenerationConfig
+from workers.decoding.params import DFlashParams, TreeParams
 from workers.metrics import summarize
 from workers.models.facts import load_tokenizer
 from workers.models.loading import Placement, load_drafter, load_target
@@ -102,7 +102,7 @@ def test_an_up_to_date_folder_is_kept_and_a_changed_recipe_is_not(pair, capsys, 
     assert is_current(pair, TEST_RECIPE)
     assert not is_current(pair, replace(TEST_RECIPE, drafter_steps=9))
     assert not is_current(pair, DemoRecipe())
-    monkeypatch.setattr("workers.demo_pair.QUICK", TEST_RECIPE)
+    monkeypatch.setattr("tools.demo_pair.QUICK", TEST_RECIPE)
     mtime = (pair / "recipe.json").stat().st_mtime_ns
     assert main([str(pair), "--quick"]) == 0
     assert "up to date" in capsys.readouterr().out
@@ -139,7 +139,7 @@ def test_the_shipped_pair_is_the_recipe_and_drafts_tau_3_at_budget_64():
     is worth a demo: greedy DDTree at budget 64 commits >= 3 tokens a round on the held-out prompts
     the demo sweeps, with every output equal to AR's."""
     assert read_recipe(SHIPPED) == json.loads(json.dumps(DemoRecipe().key())), (
-        "data/demo_pair was not built with DemoRecipe(): rebuild it (python -m workers.demo_pair data/demo_pair "
+        "data/demo_pair was not built with DemoRecipe(): rebuild it (python -m tools.demo_pair data/demo_pair "
         "--force --threads 1) after changing the recipe")
     assert model_dtypes(SHIPPED) == {torch.float16}
     model = load_target(str(SHIPPED / "target"), dtype="float32", placement=Placement(device="cpu"))

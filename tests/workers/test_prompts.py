@@ -13,6 +13,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from tools.tiny import TinyShape, write_tiny_pair
 from workers.decoding.params import ARParams, TreeParams
 from workers.errors import BadInputError
 from workers.prompts import (
@@ -24,7 +25,6 @@ from workers.prompts import (
     load_source,
     stop_token_ids,
 )
-from workers.tiny import TinyShape, write_tiny_pair
 from workers.wire import TrialSpec, WorkerConfig
 from workers.worker import Worker
 
@@ -201,7 +201,7 @@ def test_bench_cli_with_a_local_dataset_and_stop_override(chat_target, tmp_path)
     path = tmp_path / "mbpp.jsonl"
     pd.DataFrame([{"prompt": "write code"}, {"prompt": "write a poem"}]).to_json(path, orient="records", lines=True)
     drafter = chat_target.parent / "drafter"
-    command = [sys.executable, "-m", "workers.bench", "--target", str(chat_target), "--drafter", str(drafter),
+    command = [sys.executable, "-m", "tools.bench", "--target", str(chat_target), "--drafter", str(drafter),
                "--method", "dflash", "--dataset", "mbpp", "--prompts", str(path), "--dtype", "float32",
                "--device", "cpu", "--max-new-tokens", "5", "--stop-token-ids", "63", "--json"]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300)

@@ -1,5 +1,5 @@
 """The user's real checkpoints, in miniature: tiny models written in the published layouts, run through
-the real loading code, ``workers.bench`` and a sweep's ``--dry-run`` (real subprocesses).
+the real loading code, ``tools.bench`` and a sweep's ``--dry-run`` (real subprocesses).
 
 - the target as Qwen/Qwen3.6-27B ships: ``Qwen3_5ForConditionalGeneration`` with a ``text_config``,
   weights ``model.language_model.*``, ``model.visual.*``, ``lm_head.weight`` and ``mtp.*``, a
@@ -26,8 +26,8 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from tools.tiny import TinyShape, tiny_drafter_config, tiny_target_config
 from workers.models.loading import Placement, load_drafter, load_target
-from workers.tiny import TinyShape, tiny_drafter_config, tiny_target_config
 
 pytestmark = pytest.mark.slow  # the bench CLI and sweep CLIs in subprocesses
 
@@ -166,7 +166,7 @@ def test_the_zlab_drafter_loads_with_its_declared_attention(published):
 def test_bench_runs_the_published_pair_offline_from_a_folder_and_from_the_hub_cache(published):
     for drafter, env in ((str(published["drafter"]), _env()),
                          (HUB_DRAFTER, _env(HF_HUB_CACHE=str(published["hub"])))):
-        proc = _run("workers.bench", "--target", str(published["target"]), "--drafter", drafter,
+        proc = _run("tools.bench", "--target", str(published["target"]), "--drafter", drafter,
                     "--method", "ddtree", "--tree-budget", "8", "--prompts", str(published["prompts"]),
                     "--dtype", "float32", "--device", "cpu", "--max-new-tokens", "10", "--local-files-only",
                     "--json", env=env)
@@ -261,7 +261,7 @@ def test_a_drafter_built_for_another_target_is_refused_before_anything_starts(pu
 
 def test_bench_refuses_a_model_that_cannot_be_had_at_once(published, tmp_path):
     env = _env(HF_HUB_CACHE=str(tmp_path / "empty-cache"))
-    proc = _run("workers.bench", "--target", str(published["target"]), "--drafter", "z-lab/Not-Downloaded",
+    proc = _run("tools.bench", "--target", str(published["target"]), "--drafter", "z-lab/Not-Downloaded",
                 "--method", "ddtree", "--tree-budget", "4", "--prompts", str(published["prompts"]),
                 "--device", "cpu", "--local-files-only", env=env)
     assert proc.returncode == 2 and "--drafter z-lab/Not-Downloaded" in proc.stderr, proc.stderr

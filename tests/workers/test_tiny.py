@@ -1,4 +1,4 @@
-"""``python -m workers.tiny``: the demo's models, for every architecture, including the short
+"""``python -m tools.tiny``: the demo's models, for every architecture, including the short
 drafter distillation (it reads the target's taps outside inference mode, then trains on them)."""
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from safetensors.torch import load_file
 def test_tiny_cli_writes_models_and_distills_the_drafter(tmp_path, arch):
     folder = tmp_path / arch
     proc = subprocess.run(
-        [sys.executable, "-m", "workers.tiny", str(folder), "--arch", arch, "--distill-steps", "0"],
+        [sys.executable, "-m", "tools.tiny", str(folder), "--arch", arch, "--distill-steps", "0"],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     before = load_file(folder / "drafter" / "model.safetensors")
 
-    from workers.tiny import distill_drafter
+    from tools.tiny import distill_drafter
 
     distill_drafter(folder / "target", folder / "drafter", steps=3, sequences=2)
     after = load_file(folder / "drafter" / "model.safetensors")
@@ -36,14 +36,14 @@ def test_distillation_reports_progress(tmp_path):
     distill_drafter reports every sequence and step to its callback."""
     folder = tmp_path / "pair"
     proc = subprocess.run(
-        [sys.executable, "-m", "workers.tiny", str(folder), "--distill-steps", "3", "--distill-sequences", "2"],
+        [sys.executable, "-m", "tools.tiny", str(folder), "--distill-steps", "3", "--distill-sequences", "2"],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     assert "training the tiny drafter" in proc.stderr and "3 steps" in proc.stderr
     assert "generating" in proc.stderr and "2/2" in proc.stderr and "3/3" in proc.stderr
 
-    from workers.tiny import distill_drafter
+    from tools.tiny import distill_drafter
 
     calls: list[tuple[str, int, int]] = []
     distill_drafter(folder / "target", folder / "drafter", steps=2, sequences=2,

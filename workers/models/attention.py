@@ -27,8 +27,9 @@ NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBacke
 # above this many folded query rows (query heads per K/V head x queries) one fused SDPA kernel wins
 SMALL_ATTENTION_ROWS = 512
 # given the pass's K/V slots, the Triton kernel from one full block of rows on: it reads the keys up to
-# the pass's last slot where the batched products read the whole buffer (at Qwen3.6-27B's q = 17 and
-# 65 it is the faster: ``benchmarks/attention_kernels.py``, whose "SDPA all" column is those products)
+# the pass's last slot where the batched products read the whole buffer (the faster at Qwen3.6-27B's
+# q = 17 and 65: ``benchmarks/attention_kernels.py``, whose "SDPA all" column is those products, run in
+# ``benchmarks/results/hybrid_speed_h200.md``)
 KERNEL_ROWS = ROW_BLOCK
 
 

@@ -5,7 +5,7 @@ What ``FusedLayer`` does for plain Qwen3 layers, for the two layer kinds of a hy
     gated attention (``full_attention``), the whole layer:
         heads = [q | gate per query head, k, v] = qkv_proj(n)          n = norm(x), one matrix
         x = x + o_proj(attention(rope_r(norm_q(q)), rope_r(norm_k(k)), v) * sigmoid(gate))
-    Gated DeltaNet (``linear_attention``), around the token mixer ``GDNLayer`` runs:
+    GDN (``linear_attention``), around the token mixer ``GDNLayer`` runs:
         x = x + mixer(norm(x))
     and in both, the MLP:
         x = x + down_proj(silu(gate_proj(m)) * up_proj(m))             m = norm(x), gate/up one matrix
@@ -102,8 +102,8 @@ class HybridMLP:
         return add_projection_(residual, silu_mul(gate_up), self.down_proj, self.reduce)
 
 
-class HybridLinearLayer:
-    """The norms and MLP around a Gated DeltaNet layer's token mixer, which adds the residual itself
+class HybridGDNLayer:
+    """The norms and MLP around a GDN layer's token mixer, which adds the residual itself
     (``GDNLayer``'s ``residual``: the sum in out_proj's epilogue); the runner calls
 
         hidden = layer.finish_summed(mixer(layer.norm(hidden), residual=hidden))
@@ -227,7 +227,7 @@ def norm_rotate_heads_torch(heads: torch.Tensor, q_norm: nn.Module, k_norm: nn.M
 
 
 def fused_hybrid_layer_for(layer: nn.Module, reduce: Reduce | None = None):
-    """The layer's ``GatedAttentionLayer`` or ``HybridLinearLayer`` (made once and kept on the layer:
+    """The layer's ``GatedAttentionLayer`` or ``HybridGDNLayer`` (made once and kept on the layer:
     its weights are views), or None for a layer of another shape.
 
     Made again if the model's weights stopped being views of it (the model was moved or cast since),
@@ -238,8 +238,8 @@ def fused_hybrid_layer_for(layer: nn.Module, reduce: Reduce | None = None):
         return existing
     if GatedAttentionLayer.supports(layer):
         fused = GatedAttentionLayer(layer, reduce)
-    elif HybridLinearLayer.supports(layer):
-        fused = HybridLinearLayer(layer, reduce)
+    elif HybridGDNLayer.supports(layer):
+        fused = HybridGDNLayer(layer, reduce)
     else:
         return None
     layer._fused_hybrid = fused  # a plain attribute (not a submodule): no second state_dict entry

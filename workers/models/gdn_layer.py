@@ -1,4 +1,4 @@
-"""One Gated DeltaNet token mixer (Qwen3.5 / Qwen3.6 / Qwen3-Next ``linear_attn``) over a pass's nodes.
+"""One GDN token mixer (Qwen3.5 / Qwen3.6 / Qwen3-Next ``linear_attn``) over a pass's nodes.
 
 The layer object beside ``FusedLayer``: it holds the model's own modules (projections, conv
 weights, gated norm, ``out_proj``) and runs, for the nodes of one pass,
@@ -6,7 +6,7 @@ weights, gated norm, ``out_proj``) and runs, for the nodes of one pass,
     projections -> conv over each node's ancestry -> gated delta rule from the committed state ->
     gated RMSNorm -> out_proj
 
-with ``workers.models.deltanet``'s tree forms, so every node continues its parent's conv window and
+with ``workers.models.gdn``'s tree forms, so every node continues its parent's conv window and
 recurrent state. The state itself (conv window [K-1, C], recurrent state [H, dk, dv]) belongs to the
 runner, which passes it in; a pass leaves a ``PendingLayer`` (the nodes' conv inputs, decays and
 betas) and ``commit`` replays the accepted path from it into that state, in place.
@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.models.deltanet import (
+from workers.models.fused_layer import add_projection_, fuse_rows
+from workers.models.gdn import (
     MAX_PATH,
     PendingLayer,
     TreeShape,
@@ -38,12 +39,11 @@ from workers.models.deltanet import (
     tree_delta_rule,
     window_after,
 )
-from workers.models.fused_layer import add_projection_, fuse_rows
 from workers.models.kernels import triton_available
 
 
 class GDNLayer:
-    """The token mixer of one linear-attention decoder layer; see the module docstring."""
+    """The token mixer of one GDN decoder layer; see the module docstring."""
 
     def __init__(self, mixer: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.mixer = mixer

@@ -1,4 +1,4 @@
-"""Gated DeltaNet's per-token work as Triton kernels (CUDA only): the conv prologue, the tree solve, the gated norm.
+"""GDN's per-token work as Triton kernels (CUDA only): the conv prologue, the tree solve, the gated norm.
 
 ``prologue``: per node, the conv over its ancestry, SiLU and the q/k l2 norms in one kernel (one
 program per node and head), reading the committed conv window and the node inputs where they lie
@@ -7,7 +7,7 @@ and the gates beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias). It rep
 torch kernels. ``gated_norm``: the output's RMSNormGated in one. Both follow the torch path's
 roundings to the model dtype, so they agree with it to rounding.
 
-``tree_outputs``: the per-node path solve of ``workers.models.deltanet.tree_delta_rule_normalized``
+``tree_outputs``: the per-node path solve of ``workers.models.gdn.tree_delta_rule_normalized``
 in blocks, one program per (block, value head): a block is 16 nodes consecutive in depth-first order
 plus the ancestors of its first node (``tree_blocks.tree_blocks``), which hold every path its nodes
 need. On those 32 slots the program forms the keys' Gram matrix, the path sums of the log decay, L
@@ -15,7 +15,7 @@ need. On those 32 slots the program forms the keys' Gram matrix, the path sums o
 w = e (I + L)^-1 by the nilpotent product (I - L)(I + L^2)(I + L^4)(I + L^8), the slots' k_ S0 and
 the nodes' q_ S0 against the committed state, and the outputs exp(G) q_ S0 + w r: all tensor-core
 products of 32-wide tiles, nothing written but the outputs. The torch form in
-``deltanet`` is the reference it is tested against (``tests/workers/models/test_gdn_triton.py``).
+``gdn`` is the reference it is tested against (``tests/workers/models/test_gdn_triton.py``).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def tree_outputs(
     precision: str | None = None,
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (z [q, H*dv], weight [dv], eps)
 ) -> torch.Tensor:
-    """Outputs [q, H, dv] float32, as ``deltanet.tree_delta_rule_normalized`` computes them; with
+    """Outputs [q, H, dv] float32, as ``gdn.tree_delta_rule_normalized`` computes them; with
     ``norm``, ``gated_norm(outputs, z, weight, eps, model_dtype)`` [q, H*dv] instead, in the kernel's
     epilogue (the float32 outputs are never written).
 
@@ -219,7 +219,7 @@ def _prologue_kernel(
 def prologue(
     window: torch.Tensor,  # [K-1, C] committed conv inputs, oldest first (the model dtype)
     inputs: torch.Tensor,  # [q, C] the nodes' conv inputs (rows may be strided)
-    lag_index: torch.Tensor,  # [q, K] rows of cat(window, inputs), from ``deltanet.conv_lag_index``
+    lag_index: torch.Tensor,  # [q, K] rows of cat(window, inputs), from ``gdn.conv_lag_index``
     weight: torch.Tensor,  # [C, K] depthwise kernel
     bias: torch.Tensor | None,
     key_heads: int,
@@ -228,7 +228,7 @@ def prologue(
     extended: torch.Tensor | None = None,  # [K-1+q, C]: if given, receives cat(window, inputs)
     gates: tuple[torch.Tensor, ...] | None = None,  # (b [q, H], a [q, H], A_log [H], dt_bias [H]); rows may be strided
 ) -> PrologueOutputs:
-    """q_, k_, v as ``deltanet.tree_conv`` + l2 normalisation compute them (dk = dv = D), and the gates."""
+    """q_, k_, v as ``gdn.tree_conv`` + l2 normalisation compute them (dk = dv = D), and the gates."""
     nodes, taps = lag_index.shape
     channels = inputs.shape[1]
     device = inputs.device

@@ -6,8 +6,8 @@ must also hold is reserved first, so the plan cannot fill a GPU with weights and
 first long prompt:
 
 - every GPU: the CUDA context and kernel workspaces (``FIXED_BYTES``), plus the per-sequence state of
-  the layers it holds (attention K/V for ``max_tokens``; Gated DeltaNet state and, for the largest
-  tree, the per-node data of ``workers.models.deltanet.tree_state_bytes``), spread evenly for the split;
+  the layers it holds (attention K/V for ``max_tokens``; GDN state and, for the largest
+  tree, the per-node data of ``workers.models.gdn.tree_state_bytes``), spread evenly for the split;
 - the GPU with the last layers and ``lm_head``: the DFlash drafter (it reads the target's
   ``lm_head`` and last taps there) and the verify pass's logits and activations;
 - the CUDA graphs' private memory pools (``RunBudget.graph_widths`` verify widths kept captured,
@@ -57,7 +57,8 @@ class RunBudget:
     def activation_pools(self) -> int:
         """Captured passes whose pools hold a pass's activations: each kept verify width, plus the prompt
         chunk's pass (``StaticTarget.advance``; sized as a widest verify pass's, not measured on its own).
-        AR's one-token pass (a ~0.1 GiB pool, benchmarks/graph_pools.py at width 1) fits in FIXED_BYTES."""
+        AR's one-token pass fits in FIXED_BYTES (its pool at width 1: ``benchmarks/graph_pools.py``, run in
+        ``benchmarks/results/hybrid_speed_h200.md``)."""
         return self.graph_widths + 1 if self.graph_widths else 0
 
 
@@ -90,7 +91,7 @@ def layer_state_bytes(config, layer_type: str, budget: RunBudget, dtype: torch.d
     cfg = text_config(config)
     element = torch.empty((), dtype=dtype).element_size()
     if layer_type == "linear_attention":
-        from workers.models.deltanet import tree_state_bytes
+        from workers.models.gdn import tree_state_bytes
 
         layers = sum(kind == "linear_attention" for kind in cfg.layer_types)
         conv_dim = (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
@@ -241,7 +242,7 @@ COMMUNICATION_BYTES = 512 * 2**20  # NCCL's channel buffers and its share of the
 class TensorParallelPlan:
     """What each rank's GPU holds (all ranks alike: the shards are equal and the rest replicated)."""
 
-    world: int
+    world_size: int
     gpu_bytes: int
     weight_bytes: int  # this rank's shard of the target (sharded parts / N, replicated parts whole)
     state_bytes: int  # K/V of the local K/V heads, GDN state and tree data of the local heads
@@ -260,20 +261,20 @@ class TensorParallelPlan:
         parts = {"weights": self.weight_bytes, "drafter": self.drafter_bytes, "caches+tree": self.state_bytes,
                  "logits+activations": self.head_bytes, "graphs": self.graph_bytes,
                  "runtime": FIXED_BYTES + COMMUNICATION_BYTES, "free": self.free_bytes()}
-        return f"per rank of {self.world}, GPU {self.gpu_bytes / GiB:.1f} GiB: " + ", ".join(
+        return f"per rank of {self.world_size}, GPU {self.gpu_bytes / GiB:.1f} GiB: " + ", ".join(
             f"{name} {size / GiB:.2f} GiB" for name, size in parts.items())
 
 
 def plan_tensor_parallel(
     config,
     gpu_bytes: int,
-    world: int,
+    world_size: int,
     dtype: torch.dtype = torch.bfloat16,
     drafter_bytes: int = 0,
     budget: RunBudget = RunBudget(),
 ) -> TensorParallelPlan:
-    """Each rank's memory for a target of ``config`` sharded over ``world`` GPUs of ``gpu_bytes``
-    each, or BadInputError with the numbers (also when a head count does not divide by ``world``).
+    """Each rank's memory for a target of ``config`` sharded over ``world_size`` GPUs of ``gpu_bytes``
+    each, or BadInputError with the numbers (also when a head count does not divide by ``world_size``).
 
     The weights are counted by sharding a meta-device copy with the same code the ranks run.
     """
@@ -282,24 +283,24 @@ def plan_tensor_parallel(
     from workers.models.tensor_parallel import TPGroup, check_divisible, shard_model
 
     cfg = text_config(config)
-    check_divisible(cfg, world)
+    check_divisible(cfg, world_size)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    shard_model(model, TPGroup(0, world))  # meta tensors: no memory, no collective
+    shard_model(model, TPGroup(0, world_size))  # meta tensors: no memory, no collective
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    local = _local_config(cfg, world)
+    local = _local_config(cfg, world_size)
     layer_types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
     state = sum(layer_state_bytes(local, kind, budget, dtype) for kind in layer_types)
     graphs = budget.activation_pools * graph_activation_bytes(local, budget, dtype)  # each captured pass's pool
-    plan = TensorParallelPlan(world, gpu_bytes, weights, state, head_bytes(local, budget, dtype), graphs,
+    plan = TensorParallelPlan(world_size, gpu_bytes, weights, state, head_bytes(local, budget, dtype), graphs,
                               drafter_bytes)
     if plan.free_bytes() < 0:
-        raise BadInputError(f"tensor_parallel={world} leaves each GPU {-plan.free_bytes() / GiB:.1f} GiB short "
+        raise BadInputError(f"tensor_parallel={world_size} leaves each GPU {-plan.free_bytes() / GiB:.1f} GiB short "
                             f"({plan.describe()}); use more GPUs, a smaller dtype or a smaller run budget")
     return plan
 
 
-def _local_config(cfg, world: int):
+def _local_config(cfg, world_size: int):
     """A copy of the text config with one rank's head counts and MLP width (the vocabulary stays whole:
     every rank holds the gathered logits)."""
     import copy
@@ -309,5 +310,5 @@ def _local_config(cfg, world: int):
     for name in ("num_key_value_heads", "num_attention_heads", "linear_num_key_heads", "linear_num_value_heads",
                  "intermediate_size"):
         if getattr(cfg, name, None):
-            setattr(local, name, getattr(cfg, name) // world)
+            setattr(local, name, getattr(cfg, name) // world_size)
     return local

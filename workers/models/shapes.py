@@ -6,7 +6,7 @@ wherever a model path is accepted) so speed can be measured without downloading 
 
 Sources: Qwen3-8B and its DFlash drafter (5 layers, block 16, target_layer_ids [1, 9, 17, 25, 33])
 as in FIELD_NOTES; Qwen3.6-27B as published for Qwen3.5-27B (64 layers, every 4th full attention,
-hidden 5120, 24 heads / 4 KV heads of 256 with a quarter rotary, Gated DeltaNet with 16 key and 48
+hidden 5120, 24 heads / 4 KV heads of 256 with a quarter rotary, GDN with 16 key and 48
 value heads of 128, conv kernel 4, vocab 248320, untied) and its drafter as published
 (z-lab/Qwen3.6-27B-DFlash: 5 layers of 32 heads / 8 KV heads of 128, 4 sliding + 1 full, window 2048);
 Qwen3.8-27B (the same architecture) with its DFlash2 drafter as published (z-lab/Qwen3.8-27B-DFlash2).

@@ -49,9 +49,9 @@ from torch import nn
 
 from workers.errors import UnsupportedModelError
 from workers.models.attention import grouped_attention_in
-from workers.models.deltanet import MAX_PATH, PendingLayer, TreeShape
 from workers.models.fused_hybrid import fused_hybrid_layer_for
 from workers.models.fused_layer import PassInputs, fused_layer_for
+from workers.models.gdn import MAX_PATH, PendingLayer, TreeShape
 from workers.models.gdn_layer import gdn_layer_for
 from workers.models.graph_cache import GraphCache, capture
 from workers.models.tensor_parallel import TPGroup

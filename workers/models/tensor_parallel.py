@@ -6,7 +6,7 @@ bandwidth. Split every layer over N GPUs and each reads 1/N at once. The split h
 - attention by K/V-head groups: rank r holds K/V heads [r*Hkv/N, (r+1)*Hkv/N) and their query heads
   (rows of q_proj, which for gated attention carry each head's output gate beside its query), and
   the matching input columns of o_proj;
-- Gated DeltaNet by heads: rank r holds key heads [r*Hk/N, ...) and their value heads, so each
+- GDN by heads: rank r holds key heads [r*Hk/N, ...) and their value heads, so each
   head's conv channels, recurrent state and tree data live on that rank only; out_proj by columns;
 - MLP column- then row-parallel (gate/up rows, down_proj columns); MoE experts likewise by their
   intermediate dim, the shared expert too; router and shared_expert_gate replicated;
@@ -22,7 +22,7 @@ drafter's logits, which come out of the gathered lm_head: each rank's columns co
 alone, so the gathered tensor is bitwise the same everywhere. The taps are hidden states after an
 all-reduce, also bitwise the same. The (replicated) drafter therefore drafts the same tree on every rank.
 
-    tp = join_group(rank, world, "tcp://127.0.0.1:29500")   # in each of the N processes
+    tp = join_group(rank, world_size, "tcp://127.0.0.1:29500")   # in each of the N processes
     shard_model(model, tp)                                  # in place
     target = make_target(model, taps, tp=tp)
 """
@@ -63,9 +63,9 @@ class GroupAlarm:
     worker must be made anew (``TrialResult.restart_worker``).
     """
 
-    def __init__(self, store: dist.TCPStore, host: str, port: int, rank: int, world: int,
+    def __init__(self, store: dist.TCPStore, host: str, port: int, rank: int, world_size: int,
                  timeout_s: float) -> None:
-        self.rank, self.world = rank, world
+        self.rank, self.world_size = rank, world_size
         self._group_store = store  # kept: on rank 0 it serves the store, which must outlive an aborted group
         self.first_failure: dict | None = None  # {"rank", "status", "error"} once any rank raised the alarm
         self._closing = False
@@ -86,7 +86,7 @@ class GroupAlarm:
         mine = json.dumps({"rank": self.rank, "status": status, "error": error})
         try:
             first = json.loads(self._store.compare_set(ALARM_KEY, "", mine))
-            for rank in range(self.world):
+            for rank in range(self.world_size):
                 self._store.set(_wake_key(rank), "alarm")
         except Exception:  # the store's host (rank 0) is gone: this rank's failure is all it knows
             first = json.loads(mine)
@@ -133,9 +133,15 @@ class TPGroup:
     """This process's place in a tensor-parallel group and the group's collectives."""
 
     rank: int
-    world: int
+    world_size: int
     group: object | None = None  # a torch.distributed ProcessGroup; None = the default group
     alarm: GroupAlarm | None = field(default=None, compare=False)  # a failing rank tells the others
+
+    @property
+    def world(self) -> int:
+        """``world_size``'s old name, still read by ``static_target.py`` (kept out of issue 24's renames
+        while it is refactored); delete once it reads ``world_size``."""
+        return self.world_size
 
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place; returns it (the same values on every rank)."""
@@ -145,7 +151,7 @@ class TPGroup:
     def all_gather_last(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` concatenated along the last dim, in rank order."""
         tensor = tensor.contiguous()
-        parts = [torch.empty_like(tensor) for _ in range(self.world)]
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(parts, tensor, group=self.group)
         return torch.cat(parts, dim=-1)
 
@@ -167,7 +173,7 @@ class TPGroup:
             dist.destroy_process_group()
 
 
-def join_group(rank: int, world: int, init_method: str, backend: str | None = None,
+def join_group(rank: int, world_size: int, init_method: str, backend: str | None = None,
                timeout_s: float = 300.0) -> TPGroup:
     """Join the default process group (gloo on CPU, nccl when CUDA is available unless ``backend``).
 
@@ -181,10 +187,11 @@ def join_group(rank: int, world: int, init_method: str, backend: str | None = No
     if address.scheme != "tcp" or address.hostname is None or address.port is None:
         raise ValueError(f"init_method must be tcp://host:port, got {init_method!r}")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(address.hostname, address.port, world, is_master=rank == 0, timeout=timeout)
-    dist.init_process_group(backend, store=dist.PrefixStore("group", store), rank=rank, world_size=world,
+    store = dist.TCPStore(address.hostname, address.port, world_size, is_master=rank == 0, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore("group", store), rank=rank, world_size=world_size,
                             timeout=timeout)
-    return TPGroup(rank, world, alarm=GroupAlarm(store, address.hostname, address.port, rank, world, timeout_s))
+    alarm = GroupAlarm(store, address.hostname, address.port, rank, world_size, timeout_s)
+    return TPGroup(rank, world_size, alarm=alarm)
 
 
 # -- sharding ------------------------------------------------------------------------------------------
@@ -194,8 +201,8 @@ def shard_model(model: nn.Module, tp: TPGroup) -> None:
     Raises BadInputError, before changing anything, when a head count or size does not divide by N.
     """
     cfg = text_config(model.config)
-    check_divisible(cfg, tp.world)
-    if tp.world == 1:
+    check_divisible(cfg, tp.world_size)
+    if tp.world_size == 1:
         return
     base = getattr(model, "model", model)
     with torch.no_grad():
@@ -203,13 +210,13 @@ def shard_model(model: nn.Module, tp: TPGroup) -> None:
             if hasattr(layer, "self_attn"):
                 _shard_attention(layer.self_attn, cfg, tp)
             if hasattr(layer, "linear_attn"):
-                _shard_deltanet(layer.linear_attn, tp)
+                _shard_gdn(layer.linear_attn, tp)
             _shard_mlp(layer.mlp, tp)
         model.set_output_embeddings(VocabParallelHead(model.get_output_embeddings(), tp))
 
 
-def check_divisible(cfg, world: int) -> None:
-    """BadInputError naming the first head count (or MLP size) that ``world`` ranks cannot split."""
+def check_divisible(cfg, world_size: int) -> None:
+    """BadInputError naming the first head count (or MLP size) that ``world_size`` ranks cannot split."""
     counts = {"num_key_value_heads": cfg.num_key_value_heads, "num_attention_heads": cfg.num_attention_heads}
     if "linear_attention" in (getattr(cfg, "layer_types", None) or ()):
         counts |= {"linear_num_key_heads": cfg.linear_num_key_heads,
@@ -218,20 +225,20 @@ def check_divisible(cfg, world: int) -> None:
         if getattr(cfg, name, None):
             counts[name] = getattr(cfg, name)
     for name, count in counts.items():
-        if count % world:
-            raise BadInputError(f"tensor_parallel={world}: the target's {name}={count} does not divide by {world}; "
-                                f"use a tensor-parallel size that divides it")
+        if count % world_size:
+            raise BadInputError(f"tensor_parallel={world_size}: the target's {name}={count} does not divide by "
+                                f"{world_size}; use a tensor-parallel size that divides it")
 
 
-def _part(tensor: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
-    """Rank ``rank``'s contiguous 1/world of ``tensor`` along ``dim``, as a tensor of its own."""
-    size = tensor.shape[dim] // world
+def _part(tensor: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s contiguous 1/world_size of ``tensor`` along ``dim``, as a tensor of its own."""
+    size = tensor.shape[dim] // world_size
     return tensor.narrow(dim, rank * size, size).clone()
 
 
-def _parts(tensor: torch.Tensor, sizes: list[int], dim: int, rank: int, world: int) -> torch.Tensor:
-    """Split ``tensor`` along ``dim`` into consecutive blocks of ``sizes``; keep this rank's 1/world of each."""
-    return torch.cat([_part(block, dim, rank, world) for block in torch.split(tensor, sizes, dim=dim)], dim=dim)
+def _parts(tensor: torch.Tensor, sizes: list[int], dim: int, rank: int, world_size: int) -> torch.Tensor:
+    """Split ``tensor`` along ``dim`` into consecutive blocks of ``sizes``; keep this rank's 1/world_size of each."""
+    return torch.cat([_part(block, dim, rank, world_size) for block in torch.split(tensor, sizes, dim=dim)], dim=dim)
 
 
 def _set(module: nn.Module, name: str, value: torch.Tensor | None) -> None:
@@ -241,8 +248,8 @@ def _set(module: nn.Module, name: str, value: torch.Tensor | None) -> None:
 
 def _rows(linear: nn.Linear, tp: TPGroup, sizes: list[int] | None = None) -> None:
     """Column-parallel: keep this rank's output rows (per block of ``sizes`` when given)."""
-    cut = ((lambda t: _part(t, 0, tp.rank, tp.world)) if sizes is None
-           else (lambda t: _parts(t, sizes, 0, tp.rank, tp.world)))
+    cut = ((lambda t: _part(t, 0, tp.rank, tp.world_size)) if sizes is None
+           else (lambda t: _parts(t, sizes, 0, tp.rank, tp.world_size)))
     _set(linear, "weight", cut(linear.weight))
     _set(linear, "bias", None if linear.bias is None else cut(linear.bias))
     linear.out_features = linear.weight.shape[0]
@@ -250,7 +257,7 @@ def _rows(linear: nn.Linear, tp: TPGroup, sizes: list[int] | None = None) -> Non
 
 def _columns(linear: nn.Linear, tp: TPGroup) -> None:
     """Row-parallel: keep this rank's input columns; a bias is added once (rank 0) to the summed output."""
-    _set(linear, "weight", _part(linear.weight, 1, tp.rank, tp.world))
+    _set(linear, "weight", _part(linear.weight, 1, tp.rank, tp.world_size))
     if linear.bias is not None and tp.rank != 0:
         _set(linear, "bias", torch.zeros_like(linear.bias))
     linear.in_features = linear.weight.shape[1]
@@ -266,11 +273,11 @@ def _shard_attention(attn: nn.Module, cfg, tp: TPGroup) -> None:
     for name, total in (("num_heads", cfg.num_attention_heads), ("num_attention_heads", cfg.num_attention_heads),
                         ("num_key_value_heads", cfg.num_key_value_heads)):
         if hasattr(attn, name):
-            setattr(attn, name, total // tp.world)
+            setattr(attn, name, total // tp.world_size)
 
 
-def _shard_deltanet(mixer: nn.Module, tp: TPGroup) -> None:
-    """Gated DeltaNet by key heads and their value heads (``v head h`` reads key head ``h // (Hv/Hk)``).
+def _shard_gdn(mixer: nn.Module, tp: TPGroup) -> None:
+    """GDN by key heads and their value heads (``v head h`` reads key head ``h // (Hv/Hk)``).
 
     Conv channels are [q (Hk*dk), k (Hk*dk), v (Hv*dv)]: each part cut by heads. Qwen3.5 projects
     with in_proj_qkv (the same three parts), in_proj_z (by value head) and in_proj_b / in_proj_a (one
@@ -289,15 +296,15 @@ def _shard_deltanet(mixer: nn.Module, tp: TPGroup) -> None:
         _rows(mixer.in_proj_b, tp)
         _rows(mixer.in_proj_a, tp)
     conv = mixer.conv1d  # depthwise: weight [C, 1, K], one group per channel
-    _set(conv, "weight", _parts(conv.weight, channel_parts, 0, tp.rank, tp.world))
-    _set(conv, "bias", None if conv.bias is None else _parts(conv.bias, channel_parts, 0, tp.rank, tp.world))
+    _set(conv, "weight", _parts(conv.weight, channel_parts, 0, tp.rank, tp.world_size))
+    _set(conv, "bias", None if conv.bias is None else _parts(conv.bias, channel_parts, 0, tp.rank, tp.world_size))
     conv.in_channels = conv.out_channels = conv.groups = conv.weight.shape[0]
-    _set(mixer, "A_log", _part(mixer.A_log, 0, tp.rank, tp.world))
-    _set(mixer, "dt_bias", _part(mixer.dt_bias, 0, tp.rank, tp.world))
+    _set(mixer, "A_log", _part(mixer.A_log, 0, tp.rank, tp.world_size))
+    _set(mixer, "dt_bias", _part(mixer.dt_bias, 0, tp.rank, tp.world_size))
     _columns(mixer.out_proj, tp)
-    mixer.num_k_heads //= tp.world
-    mixer.num_v_heads //= tp.world
-    mixer.key_dim, mixer.value_dim = key_dim // tp.world, value_dim // tp.world
+    mixer.num_k_heads //= tp.world_size
+    mixer.num_v_heads //= tp.world_size
+    mixer.key_dim, mixer.value_dim = key_dim // tp.world_size, value_dim // tp.world_size
     mixer.conv_dim = conv.weight.shape[0]
 
 
@@ -307,10 +314,10 @@ def _shard_mlp(mlp: nn.Module, tp: TPGroup) -> None:
     if hasattr(mlp, "experts"):
         experts = mlp.experts  # gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I]
         inner = experts.gate_up_proj.shape[1] // 2
-        _set(experts, "gate_up_proj", _parts(experts.gate_up_proj, [inner, inner], 1, tp.rank, tp.world))
-        _set(experts, "down_proj", _part(experts.down_proj, 2, tp.rank, tp.world))
+        _set(experts, "gate_up_proj", _parts(experts.gate_up_proj, [inner, inner], 1, tp.rank, tp.world_size))
+        _set(experts, "down_proj", _part(experts.down_proj, 2, tp.rank, tp.world_size))
         if hasattr(experts, "intermediate_dim"):
-            experts.intermediate_dim = inner // tp.world
+            experts.intermediate_dim = inner // tp.world_size
         if getattr(mlp, "shared_expert", None) is not None:
             _shard_mlp(mlp.shared_expert, tp)
         return
@@ -335,7 +342,7 @@ class VocabParallelHead(nn.Module):
             raise BadInputError("tensor parallelism: an lm_head with a bias is not supported")
         self.tp = tp
         self.vocab_size = self.out_features = head.weight.shape[0]  # the logits' width, as nn.Linear's
-        rows = -(-self.vocab_size // tp.world)  # per rank, padding included
+        rows = -(-self.vocab_size // tp.world_size)  # per rank, padding included
         begin, end = tp.rank * rows, min((tp.rank + 1) * rows, self.vocab_size)
         local = torch.zeros(rows, head.weight.shape[1], dtype=head.weight.dtype, device=head.weight.device)
         local[: max(end - begin, 0)] = head.weight.detach()[begin:end]

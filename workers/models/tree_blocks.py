@@ -1,4 +1,4 @@
-"""How the CUDA tree kernel of the Gated DeltaNet layers (``gdn_triton.tree_outputs``) groups a tree's
+"""How the CUDA tree kernel of the GDN layers (``gdn_triton.tree_outputs``) groups a tree's
 nodes: ``TREE_BLOCK`` consecutive nodes of the preorder per block, with the ancestors of the block's
 first node before them, so that a block holds every root-to-node path its nodes need.
 """

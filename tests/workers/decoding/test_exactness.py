@@ -2,7 +2,7 @@
 
 Float32 on CPU with the tiny random checkpoints from ``conftest``: Qwen3 targets (vocab 32 / block 8,
 and vocab 6 / block 6 where drafts are accepted often) and the hybrids (Qwen3.5 at vocab 6 / block 6,
-Qwen3-Next with MoE at vocab 32 / block 8), whose Gated DeltaNet state must fork per tree node; and
+Qwen3-Next with MoE at vocab 32 / block 8), whose GDN state must fork per tree node; and
 DFlash2 drafters on a Qwen3 target and a Qwen3.5 hybrid (vocab 6 / block 6). Every run also goes
 through ``check_run``, which checks
 the bookkeeping every engine shares (round lengths within their bound, the bonus counted, only the
@@ -19,14 +19,14 @@ import itertools
 import pytest
 import torch
 
+from tests.helpers.reference import AttentionTarget
 from workers.decoding import ar, ddtree, dflash, replay
 from workers.decoding.generation import GenerationConfig, GenerationOutput, StageTimer
 from workers.decoding.params import DFlashParams, TreeParams
-from workers.models.reference import AttentionTarget
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-# attention-only Qwen3 targets, then hybrids (Qwen3.5 and Qwen3-Next: Gated DeltaNet + attention)
+# attention-only Qwen3 targets, then hybrids (Qwen3.5 and Qwen3-Next: GDN + attention)
 # and DFlash2 drafters (selector chains and lattice trees) on a Qwen3 target and a Qwen3.5 hybrid
 FIXTURES = ("tiny", "tiny_small_vocab", "tiny_hybrid", "tiny_next", "tiny_dflash2", "tiny_hybrid_dflash2")
 # must match conftest (checked in models())

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.kernel_inputs import attention_pass_inputs as pass_inputs
 from workers.models.attention import attend_folded
-from workers.models.kernel_inputs import attention_pass_inputs as pass_inputs
 
 pytestmark = [
     pytest.mark.gpu,

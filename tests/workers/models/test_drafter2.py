@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tests.workers.models.test_drafter_attention import _rope, reads
+from tools.tiny import TinyShape, tiny_drafter_config, write_tiny_pair
 from workers.decoding.params import TreeParams
 from workers.decoding.tree import build_lattice_tree, build_tree
 from workers.errors import CheckpointMismatchError
@@ -24,7 +25,6 @@ from workers.models.drafter2 import DFlash2Drafter, drafter_for
 from workers.models.drafter_config import DrafterSpec
 from workers.models.loading import Placement, load_drafter, load_target
 from workers.seam import Lattice
-from workers.tiny import TinyShape, tiny_drafter_config, write_tiny_pair
 
 HIDDEN, BLOCK, VOCAB = 32, 6, 24
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.drafter_training import block_hidden
+from tools.drafter_training import block_hidden
+from tools.tiny import TinyShape, tiny_drafter_config
 from workers.models.drafter import DFlashDrafter
 from workers.models.drafter_config import DrafterSpec, LayerAttention
-from workers.tiny import TinyShape, tiny_drafter_config
 
 S, F = "sliding_attention", "full_attention"
 HIDDEN, BLOCK = 32, 6

@@ -17,11 +17,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from tools.tiny import TinyShape, tiny_drafter_config, write_tiny_pair
 from workers.errors import BadInputError, CheckpointMismatchError
 from workers.models.drafter import DFlashDrafter
 from workers.models.drafter_config import DrafterSpec, default_target_layer_ids
 from workers.models.loading import WEIGHTS_FILE, WEIGHTS_INDEX_FILE, Placement, load_drafter, load_target
-from workers.tiny import TinyShape, tiny_drafter_config, write_tiny_pair
 
 # --- helpers ------------------------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 On the Qwen3.5 (dense MLP) and Qwen3-Next (MoE MLP) tiny targets, in float32 on CPU: a gated
 attention layer's output and the K/V it writes equal transformers' layer under the same mask; a
-Gated DeltaNet layer's fused norms and MLP around the mixer equal transformers' layer with the same
+GDN layer's fused norms and MLP around the mixer equal transformers' layer with the same
 mixer output; the fused matrices are views of the model's own weights; ``reduce`` sees every
 row-parallel partial output. GPU-marked: the Triton norm equals the torch form, graph == eager.
 """
@@ -18,7 +18,7 @@ from torch import nn
 
 from workers.models.fused_hybrid import (
     GatedAttentionLayer,
-    HybridLinearLayer,
+    HybridGDNLayer,
     fused_hybrid_layer_for,
     one_plus_rms_norm,
 )
@@ -114,7 +114,7 @@ def test_linear_layer_norms_and_mlp_equal_transformers_layer(request, name, monk
     hidden, mixed = (torch.randn(1, 4, model.config.hidden_size, generator=generator) for _ in range(2))
     for i, layer in _layers(model, "linear_attention"):
         fused = fused_hybrid_layer_for(layer)
-        assert isinstance(fused, HybridLinearLayer)
+        assert isinstance(fused, HybridGDNLayer)
         stub = _FixedMixer(mixed)
         monkeypatch.setattr(layer, "linear_attn", stub)
         with torch.no_grad():
@@ -157,7 +157,7 @@ def test_fused_weights_are_views_and_reduce_sees_each_partial_output(request):
 def test_static_target_runs_every_hybrid_layer_fused(request, name):
     target = StaticTarget(request.getfixturevalue(name).model)
     assert target.attention_ids and all(isinstance(f, GatedAttentionLayer) for f in target.fused.values())
-    assert target.linear_ids and all(isinstance(b, HybridLinearLayer) for b in target.linear_blocks.values())
+    assert target.linear_ids and all(isinstance(b, HybridGDNLayer) for b in target.linear_blocks.values())
 
 
 @pytest.mark.gpu

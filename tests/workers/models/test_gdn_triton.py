@@ -12,8 +12,8 @@ import copy
 import pytest
 import torch
 
-from workers.models.deltanet import MAX_PATH, ancestor_table, tree_delta_rule
-from workers.models.kernel_inputs import random_tree_parents
+from tests.helpers.kernel_inputs import random_tree_parents
+from workers.models.gdn import MAX_PATH, ancestor_table, tree_delta_rule
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,7 +43,7 @@ def test_triton_tree_kernel_equals_the_torch_path(q, depth, dk, dv):
 def test_the_bfloat16_models_tf32_tree_kernel_stays_below_bfloat16_rounding(q):
     """For a bfloat16 model the blocked solve's products run in tf32: all outputs within 5e-3 relative
     of the float32 torch form (bfloat16's own rounding is 3.9e-3), at real head sizes."""
-    from workers.models.deltanet import l2_normalize, tree_delta_rule_normalized
+    from workers.models.gdn import l2_normalize, tree_delta_rule_normalized
     from workers.models.gdn_triton import tree_outputs
 
     g = torch.Generator().manual_seed(q)
@@ -66,7 +66,7 @@ def test_the_gated_norm_in_the_tree_kernels_epilogue_equals_the_norm_kernel_afte
     """tree_outputs(norm=...) (the gated norm applied to each output row in the tree kernel) gives
     gated_norm(tree_outputs(...)), with z's rows strided as the fused projection gives them: the same
     operations, so equal but for the order of the row sums (an ulp of the model dtype at most)."""
-    from workers.models.deltanet import l2_normalize
+    from workers.models.gdn import l2_normalize
     from workers.models.gdn_triton import gated_norm, tree_outputs
 
     g = torch.Generator().manual_seed(q)
@@ -93,7 +93,7 @@ def test_prologue_kernel_equals_the_torch_conv_norms_and_gates(dtype):
     exactly, q_/k_/v, beta and log_gate as the torch path computes them (softplus over a wide range)."""
     import torch.nn.functional as F
 
-    from workers.models.deltanet import conv_lag_index, l2_normalize, tree_conv
+    from workers.models.gdn import conv_lag_index, l2_normalize, tree_conv
     from workers.models.gdn_triton import prologue
 
     g = torch.Generator().manual_seed(3)
@@ -155,7 +155,7 @@ def test_gdn_layer_through_the_kernels_equals_its_torch_path(dtype, chain, q):
     """Fused projection + conv prologue + tree (or chunked) rule + gated norm against the module path:
     outputs, and (a chain kept whole) the state and conv window it leaves (<= 16 tokens: the
     recurrence kernel with outputs, AR's advance; longer: the chunked form)."""
-    from workers.models.deltanet import TreeShape
+    from workers.models.gdn import TreeShape
     from workers.models.gdn_layer import gdn_layer_for
     from workers.models.shapes import build_random_target
 
@@ -193,7 +193,7 @@ def test_gdn_layer_through_the_kernels_equals_its_torch_path(dtype, chain, q):
 def test_commit_through_the_kernels_equals_the_chunked_replay(bias):
     """A commit's path through the one-kernel commit (conv over the path, the recurrence in registers,
     the new conv window) against the torch chunked replay, paths of 1 to 16 nodes."""
-    from workers.models.deltanet import TreeShape
+    from workers.models.gdn import TreeShape
     from workers.models.gdn_layer import gdn_layer_for
     from workers.models.shapes import build_random_target
 
@@ -252,7 +252,7 @@ def test_fla_chunked_rule_equals_the_torch_chunked_form():
     """A prompt chunk's delta rule through fla-core (what bf16 models use when it is installed) against
     the torch chunked form: outputs and the final state, Qwen3.6's heads (16 key, 48 value), 300 tokens
     from a non-zero state. fla's chunks run on tensor cores (tf32), hence the tolerance."""
-    from workers.models.deltanet import chain_delta_rule_normalized, l2_normalize
+    from workers.models.gdn import chain_delta_rule_normalized, l2_normalize
     from workers.models.gdn_layer import _fla_chunked, fla_chunk_rule
 
     rule = fla_chunk_rule()

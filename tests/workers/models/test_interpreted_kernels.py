@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from workers.models.kernel_inputs import attention_pass_inputs, random_tree_parents
+from tests.helpers.kernel_inputs import attention_pass_inputs, random_tree_parents
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
@@ -49,7 +49,7 @@ def interpreter_reads_one_element_bounds():
 def test_the_tree_kernel_equals_the_torch_tree_form(q, depth, dk, dv):
     """tree_outputs (the blocked solve with its state products), without and with the gated norm in its
     epilogue, against the per-node torch form."""
-    from workers.models.deltanet import ancestor_table, l2_normalize, tree_delta_rule
+    from workers.models.gdn import ancestor_table, l2_normalize, tree_delta_rule
     from workers.models.gdn_triton import gated_norm, tree_outputs
 
     g = torch.Generator().manual_seed(q)
@@ -96,7 +96,7 @@ def test_a_gdn_layer_through_the_kernels_equals_its_torch_path(chain, q):
     """A whole GDN layer (fused projection, conv prologue, tree solve or chain rule, gated norm; a chain
     committed as it goes) through the kernels against its torch path: outputs, and for a chain the
     state and conv window it leaves."""
-    from workers.models.deltanet import TreeShape
+    from workers.models.gdn import TreeShape
     from workers.models.gdn_layer import gdn_layer_for
     from workers.models.shapes import build_random_target
 

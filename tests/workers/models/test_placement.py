@@ -1,6 +1,6 @@
 """The two-GPU split plan for the user's real target, computed on a meta device (no GPU needed).
 
-Qwen3.6-27B-shaped (64 layers, 48 Gated DeltaNet + 16 attention, ~50 GiB of bf16 weights) with its
+Qwen3.6-27B-shaped (64 layers, 48 GDN + 16 attention, ~50 GiB of bf16 weights) with its
 DFlash drafter over 2 x 48 GB: every layer placed on a GPU, lm_head and the drafter together on the
 last one, the runtime reserve (caches, tree buffers, logits) left free on each, the weights balanced.
 """
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from workers.errors import BadInputError
-from workers.models.deltanet import tree_state_bytes
+from workers.models.gdn import tree_state_bytes
 from workers.models.placement import (
     FIXED_BYTES,
     GiB,

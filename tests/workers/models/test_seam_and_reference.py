@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
+from tests.helpers.reference import AttentionTarget
 from workers.decoding.params import TreeParams
 from workers.decoding.tree import build_tree
 from workers.errors import UnsupportedModelError
-from workers.models.reference import AttentionTarget
 from workers.seam import check_supported
 
 
@@ -49,7 +49,7 @@ def test_bench_refuses_an_unsupported_target_folder_by_name(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"input_ids": [1, 2, 3]}\n')
     proc = subprocess.run(
-        [sys.executable, "-m", "workers.bench", "--target", str(folder), "--prompts", str(prompts), "--method", "ar"],
+        [sys.executable, "-m", "tools.bench", "--target", str(folder), "--prompts", str(prompts), "--method", "ar"],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2 and "'mamba' is not supported" in proc.stderr

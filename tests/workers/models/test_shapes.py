@@ -1,5 +1,5 @@
 """Named shapes: the real targets' configs (checked on a meta device) and random-weight models via
-``random:<shape>`` wherever a model path is accepted, run end to end through ``workers.bench``."""
+``random:<shape>`` wherever a model path is accepted, run end to end through ``tools.bench``."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def test_the_27b_drafter_shape_is_the_published_one():
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "workers.bench", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "tools.bench", *args], capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.slow  # the bench CLI in subprocesses

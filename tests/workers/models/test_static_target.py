@@ -17,7 +17,7 @@ from workers.decoding import ar, ddtree
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import TreeParams
 from workers.decoding.tree import build_tree
-from workers.models.deltanet import full_state_bytes, tree_state_bytes
+from workers.models.gdn import full_state_bytes, tree_state_bytes
 from workers.models.static_target import StaticTarget
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -105,7 +105,7 @@ def test_advance_equals_the_plain_forward_and_leaves_the_text_committed(request,
     tiny = request.getfixturevalue(name)
     if runner == "attention" and name != "tiny":
         pytest.skip("AttentionTarget runs attention-only models")
-    from workers.models.reference import AttentionTarget
+    from tests.helpers.reference import AttentionTarget
 
     taps = tiny.drafter.spec.target_layer_ids
     target = StaticTarget(tiny.model, tap_layer_ids=taps) if runner == "static" else AttentionTarget(tiny.model, taps)

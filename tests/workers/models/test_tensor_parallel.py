@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from tools.local_group import run_local_group
+from tools.tiny import TinyShape, write_tiny_pair
 from workers.decoding import ar, ddtree, dflash
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import DFlashParams, TreeParams
 from workers.errors import BadInputError
-from workers.local_group import run_local_group
 from workers.models.loading import Placement, load_drafter, load_target
 from workers.models.static_target import make_target
 from workers.models.tensor_parallel import TPGroup, shard_model
-from workers.tiny import TinyShape, write_tiny_pair
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -42,7 +42,7 @@ SETTINGS = (
 )
 # TP=4 (4 processes on a small CI machine are slow: fewer settings, the hybrids only) on shapes whose
 # head counts divide by 4 (head_dim 4 at hidden 32)
-WIDE = dict(num_heads=8, num_kv_heads=4, linear_key_heads=4, linear_value_heads=8, vocab_size=6, block_size=6)
+WIDE = dict(num_heads=8, num_kv_heads=4, gdn_key_heads=4, gdn_value_heads=8, vocab_size=6, block_size=6)
 WIDE_SETTINGS = ("ar", "dflash-3", "ddtree-12-d3-b2")
 WIDE_PROMPTS = 1
 
@@ -71,7 +71,7 @@ def decode_all(target, drafter, vocab: int, labels: tuple[str, ...] | None = Non
 
 
 def same_on_every_rank(tp: TPGroup, tensor: torch.Tensor) -> bool:
-    rows = tp.all_gather_last(tensor.reshape(1, -1)).view(tp.world, -1)
+    rows = tp.all_gather_last(tensor.reshape(1, -1)).view(tp.world_size, -1)
     return all(torch.equal(rows[0], row) for row in rows)
 
 
@@ -101,7 +101,7 @@ def _worker_trials(tp: TPGroup, target_dir: str, drafter_dir: str) -> dict:
     from workers.worker import Worker
 
     config = WorkerConfig(target=target_dir, drafter=drafter_dir, dtype="float32", device="cpu",
-                          chat_template=False, tensor_parallel=tp.world)
+                          chat_template=False, world_size=tp.world_size)
     worker = Worker(config).load(tp)
     spec = TrialSpec(TreeParams(budget=8), tuple(Prompt(input_ids=tuple(p[0].tolist())) for p in prompts(6)),
                      max_new_tokens=MAX_NEW, warmup=False)
@@ -163,19 +163,19 @@ def test_tp4_equals_one_process(tmp_path):
 
 
 # -- the shards are slices of the model's own weights --------------------------------------------------
-def expected_shard(name: str, full: torch.Tensor, cfg, rank: int, world: int) -> torch.Tensor:
+def expected_shard(name: str, full: torch.Tensor, cfg, rank: int, world_size: int) -> torch.Tensor:
     """This rank's part of parameter ``name`` of the whole model, written out rule by rule."""
 
     def chunk(t, dim):
-        size = t.shape[dim] // world
+        size = t.shape[dim] // world_size
         return t.narrow(dim, rank * size, size)
 
     def chunks(t, sizes, dim):
         return torch.cat([chunk(part, dim) for part in torch.split(t, sizes, dim)], dim)
 
-    if name == "lm_head.weight":  # vocabulary rows, padded to a multiple of world with zeros
-        rows = -(-full.shape[0] // world)
-        padded = torch.cat((full, full.new_zeros(rows * world - full.shape[0], full.shape[1])))
+    if name == "lm_head.weight":  # vocabulary rows, padded to a multiple of world_size with zeros
+        rows = -(-full.shape[0] // world_size)
+        padded = torch.cat((full, full.new_zeros(rows * world_size - full.shape[0], full.shape[1])))
         return padded[rank * rows : (rank + 1) * rows]
     leaf = name.split(".")[-2] if name.endswith((".weight", ".bias")) else name.split(".")[-1]
     if "linear_attn" in name and leaf in ("in_proj_qkv", "conv1d"):  # [q, k, v] parts by heads
@@ -258,7 +258,7 @@ def _rank_runs_out_of_memory(tp: TPGroup, target_dir: str, drafter_dir: str, fol
     from workers.worker import Worker
 
     config = WorkerConfig(target=target_dir, drafter=drafter_dir, dtype="float32", device="cpu",
-                          chat_template=False, tensor_parallel=tp.world)
+                          chat_template=False, world_size=tp.world_size)
     worker = Worker(config).load(tp)
     spec = TrialSpec(TreeParams(budget=8), tuple(Prompt(input_ids=tuple(p[0].tolist())) for p in prompts(6)),
                      max_new_tokens=MAX_NEW, warmup=False, fault="oom_on_last_rank")
@@ -266,7 +266,7 @@ def _rank_runs_out_of_memory(tp: TPGroup, target_dir: str, drafter_dir: str, fol
     result = worker.run_trial(spec)
     seconds = time.perf_counter() - started
     (Path(folder) / f"done{tp.rank}").touch()
-    while len(list(Path(folder).glob("done*"))) < tp.world:
+    while len(list(Path(folder).glob("done*"))) < tp.world_size:
         time.sleep(0.1)
     return {"status": result.status.value, "error": result.error, "restart": result.restart_worker,
             "seconds": seconds}

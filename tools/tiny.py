@@ -31,9 +31,9 @@ class TinyShape:
     drafter_layers: int = 2
     block_size: int = 8
     init_std: float = 0.25
-    arch: str = "qwen3"  # or "qwen3_5" / "qwen3_next": Gated DeltaNet layers alternating with attention
-    linear_key_heads: int = 2  # hybrids: Gated DeltaNet key heads
-    linear_value_heads: int = 4  # hybrids: Gated DeltaNet value heads (a multiple of the key heads)
+    arch: str = "qwen3"  # or "qwen3_5" / "qwen3_next": GDN layers alternating with attention
+    gdn_key_heads: int = 2  # hybrids: GDN key heads
+    gdn_value_heads: int = 4  # hybrids: GDN value heads (a multiple of the key heads)
     # the drafter's attention, written as z-lab checkpoints write it (drafter_config.resolve_layer_attention):
     drafter_layer_types: tuple[str, ...] | None = None  # e.g. ("sliding_attention", "full_attention")
     drafter_window: int | None = None  # sliding_window (with use_sliding_window: true)
@@ -58,8 +58,8 @@ def tiny_target_config(shape: TinyShape) -> dict:
         return config
     hybrid = {
         "layer_types": ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(shape.num_layers)],
-        "linear_num_key_heads": shape.linear_key_heads,
-        "linear_num_value_heads": shape.linear_value_heads,
+        "linear_num_key_heads": shape.gdn_key_heads,
+        "linear_num_value_heads": shape.gdn_value_heads,
         "linear_key_head_dim": 8,
         "linear_value_head_dim": 8,
         "linear_conv_kernel_dim": 4,
@@ -215,10 +215,10 @@ def write_prompts(path: Path, shape: TinyShape = TinyShape(), count: int = 8, le
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m workers.tiny FOLDER``: write the tiny target, drafter and a prompts file there."""
+    """``python -m tools.tiny FOLDER``: write the tiny target, drafter and a prompts file there."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m workers.tiny", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tools.tiny", description=main.__doc__)
     parser.add_argument("folder", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--distill-steps", type=int, default=600, help="drafter training steps (0: random drafter)")

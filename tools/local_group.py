@@ -1,9 +1,9 @@
 """A tensor-parallel group of local processes: one per rank, joined over a localhost TCP port.
 
-``run_local_group(world, fn, args)`` spawns ``world`` processes (torch.multiprocessing, spawn start
+``run_local_group(world_size, fn, args)`` spawns ``world_size`` processes (torch.multiprocessing, spawn start
 method), each joins the group (gloo on CPU, nccl on CUDA with one GPU per rank, seen as cuda:0) and
 calls ``fn(tp, *args)``; it returns every rank's outcome (its return value or its error) once all
-have ended. ``workers.bench --tensor-parallel N`` and the tensor-parallel tests use it; a Ray actor
+have ended. ``tools.bench --tensor-parallel N`` and the tensor-parallel tests use it; a Ray actor
 group does the same job across actors (``orchestrator``).
 
     outcomes = run_local_group(2, my_function, ("arg",))
@@ -38,9 +38,9 @@ class RankOutcome:
         return self.exitcode == 0 and self.error is None
 
 
-def run_local_group(world: int, fn: Callable[..., Any], args: tuple = (), backend: str | None = None,
+def run_local_group(world_size: int, fn: Callable[..., Any], args: tuple = (), backend: str | None = None,
                     timeout_s: float = 300.0, wait_s: float | None = None) -> list[RankOutcome]:
-    """Run ``fn(tp, *args)`` on ``world`` local ranks; ``fn`` must be importable (a module-level function).
+    """Run ``fn(tp, *args)`` on ``world_size`` local ranks; ``fn`` must be importable (a module-level function).
 
     ``timeout_s`` bounds each collective inside the group; ``wait_s`` (default: ``timeout_s`` + 120 s
     to load models) bounds the whole run, after which ranks still alive are killed.
@@ -48,18 +48,18 @@ def run_local_group(world: int, fn: Callable[..., Any], args: tuple = (), backen
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     gpus = _visible_gpus() if backend == "nccl" else []
-    if backend == "nccl" and len(gpus) < world:
+    if backend == "nccl" and len(gpus) < world_size:
         from workers.errors import BadInputError
 
-        raise BadInputError(f"tensor_parallel={world} needs {world} GPUs, {len(gpus)} visible")
+        raise BadInputError(f"tensor_parallel={world_size} needs {world_size} GPUs, {len(gpus)} visible")
     init_method = f"tcp://127.0.0.1:{free_port()}"
     context = torch.multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="tp-group-") as folder:
         processes = []
-        for rank in range(world):
+        for rank in range(world_size):
             gpu = gpus[rank] if gpus else None
             process = context.Process(target=_rank_main, daemon=False,
-                                      args=(rank, world, init_method, backend, timeout_s, gpu, fn, args, folder))
+                                      args=(rank, world_size, init_method, backend, timeout_s, gpu, fn, args, folder))
             process.start()
             processes.append(process)
         deadline = timeout_s + 120.0 if wait_s is None else wait_s
@@ -82,16 +82,16 @@ def _visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
-def _rank_main(rank: int, world: int, init_method: str, backend: str, timeout_s: float, gpu: str | None,
+def _rank_main(rank: int, world_size: int, init_method: str, backend: str, timeout_s: float, gpu: str | None,
                fn: Callable[..., Any], args: tuple, folder: str) -> None:
     """One rank: its own GPU as cuda:0 (before CUDA starts), join the group, run ``fn``, save the outcome."""
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     outcome: dict[str, Any] = {}
     tp: TPGroup | None = None
     try:
-        tp = join_group(rank, world, init_method, backend=backend, timeout_s=timeout_s)
+        tp = join_group(rank, world_size, init_method, backend=backend, timeout_s=timeout_s)
         outcome["value"] = fn(tp, *args)
     except BaseException as exc:  # reported to the caller, not lost with the process
         outcome["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"

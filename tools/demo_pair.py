@@ -1,6 +1,6 @@
 """The demo pair: a small Qwen3 target trained on the standard library's own Python source, and a
 DFlash drafter trained on that target's hidden states and greedy outputs. The repository ships one
-(``data/demo_pair``, what ``make demo`` runs); ``python -m workers.demo_pair data/demo_pair --force``
+(``data/demo_pair``, what ``make demo`` runs); ``python -m tools.demo_pair data/demo_pair --force``
 rebuilds it.
 
 Every machine with Python has the corpus offline: the ``.py`` files under ``sysconfig.get_paths()["stdlib"]``
@@ -14,7 +14,7 @@ Steps, each printing a line every few seconds:
   2. the target (transformers' ``Qwen3ForCausalLM``) trained as a language model on random
      windows of the corpus, saved as a normal checkpoint folder (config + safetensors + tokenizer);
   3. the drafter (``workers.models.drafter.DFlashDrafter``) trained on the target's own greedy
-     continuations of corpus windows and the taps of those sequences (``workers.drafter_training``).
+     continuations of corpus windows and the taps of those sequences (``tools.drafter_training``).
 Weights are stored in ``weights_dtype`` (float16: small enough to ship in git); the target is rounded
 to it before the drafter's data are made, so the drafter learns the target that is saved.
 Writes ``FOLDER/{target,drafter,prompts.jsonl}`` and, last, ``FOLDER/recipe.json``: the recipe (the
@@ -193,7 +193,7 @@ def train_target(recipe: DemoRecipe, stream, config: dict, device: str = "cpu"):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from workers.drafter_training import Ticker
+    from tools.drafter_training import Ticker
 
     torch.manual_seed(recipe.seed)
     model = Qwen3ForCausalLM(Qwen3Config(**config)).to(device)
@@ -240,14 +240,14 @@ def build(folder: Path, recipe: DemoRecipe, stdlib: Path | None = None, device: 
     ``threads`` (default: torch's current count) is only recorded in ``recipe.json``."""
     import torch
 
-    from workers.drafter_training import DrafterData, drafter_config, train_drafter
+    from tools.drafter_training import DrafterData, drafter_config, train_drafter
     from workers.models.drafter import DFlashDrafter
     from workers.models.drafter_config import DrafterSpec
     from workers.models.loading import save_drafter
 
     train_files, held_files = stdlib_files(stdlib)
     if not train_files or not held_files:
-        raise SystemExit("workers.demo_pair: no standard-library sources under "
+        raise SystemExit("tools.demo_pair: no standard-library sources under "
                          f"{stdlib or sysconfig.get_paths()['stdlib']}")
     work = folder.with_name(folder.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)
@@ -294,8 +294,8 @@ def build(folder: Path, recipe: DemoRecipe, stdlib: Path | None = None, device: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m workers.demo_pair FOLDER``: train the demo target, drafter and held-out prompts there (once)."""
-    parser = argparse.ArgumentParser(prog="python -m workers.demo_pair", description=main.__doc__)
+    """``python -m tools.demo_pair FOLDER``: train the demo target, drafter and held-out prompts there (once)."""
+    parser = argparse.ArgumentParser(prog="python -m tools.demo_pair", description=main.__doc__)
     parser.add_argument("folder", type=Path)
     parser.add_argument("--quick", action="store_true", help="a few seconds of training (tests), not the demo recipe")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.models.deltanet import (
+from tests.helpers.kernel_inputs import random_tree_parents
+from workers.models.gdn import (
     MAX_PATH,
     TreeShape,
     ancestor_table,
@@ -22,7 +23,6 @@ from workers.models.deltanet import (
     tree_delta_rule,
     window_after,
 )
-from workers.models.kernel_inputs import random_tree_parents
 from workers.models.tree_blocks import preorder, tree_blocks
 
 qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")

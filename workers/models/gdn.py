@@ -1,4 +1,4 @@
-"""Gated DeltaNet (the linear-attention layers of Qwen3.5 / Qwen3.6 / Qwen3-Next) over a tree or a chain.
+"""GDN (Gated DeltaNet, the layers Qwen3.5 / Qwen3.6 / Qwen3-Next call ``linear_attention``) over a tree or a chain.
 
 A GDN layer carries two things from token to token: the last K-1 inputs of a depthwise causal
 convolution (the conv window) and a recurrent state S [H, dk, dv]. Per token t, with q, k

@@ -1,14 +1,14 @@
-"""Benchmark one method and setting on a prompt file: ``python -m workers.bench --help``.
+"""Benchmark one method and setting on a prompt file: ``python -m tools.bench --help``.
 
-Example (the tiny offline models; see ``python -m workers.tiny``)::
+Example (the tiny offline models; see ``python -m tools.tiny``)::
 
-    python -m workers.bench --target models/tiny/target --drafter models/tiny/drafter \\
+    python -m tools.bench --target models/tiny/target --drafter models/tiny/drafter \\
         --method ddtree --tree-budget 32 --prompts models/tiny/prompts.jsonl --dtype float32 --json
 
 Random weights of a real shape, built on the GPU (no download; prompts are random token ids of
 ``--prompt-length`` unless ``--prompts`` is given)::
 
-    python -m workers.bench --target random:qwen3-8b --drafter random:qwen3-8b --method ddtree --tree-budget 256
+    python -m tools.bench --target random:qwen3-8b --drafter random:qwen3-8b --method ddtree --tree-budget 256
 
 With ``--json`` stdout holds exactly one JSON object: method, params, status, metrics,
 acceptance_histogram, memory (peaks per device) and outputs (token_ids and acceptance_lengths per
@@ -18,7 +18,7 @@ that fails (out of memory, error) prints its result and exits with status 1.
 ``--tensor-parallel N`` shards the target over N local processes (one GPU each with NCCL, or gloo on
 the CPU), every rank running the trial in lockstep; rank 0's result is printed::
 
-    python -m workers.bench --target models/tiny/target --drafter models/tiny/drafter --method ddtree \
+    python -m tools.bench --target models/tiny/target --drafter models/tiny/drafter --method ddtree \
         --tree-budget 32 --prompts models/tiny/prompts.jsonl --dtype float32 --device cpu --tensor-parallel 2
 """
 
@@ -41,7 +41,7 @@ from workers.prompts import BENCHMARKS
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, status 2, as for every bad input
-        self.exit(2, f"workers.bench: error: {message}\n")
+        self.exit(2, f"tools.bench: error: {message}\n")
 
 
 def _at_least(kind: str, cast: type, minimum: float):
@@ -89,7 +89,7 @@ def _id_list(text: str) -> tuple[int, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m workers.bench", description="Time AR, DFlash or DDTree decoding on a prompt file.")
+    p = _Parser(prog="python -m tools.bench", description="Time AR, DFlash or DDTree decoding on a prompt file.")
     p.add_argument("--target", required=True,
                    help="target model: hub id, local folder, or random:<shape> (shapes: qwen3-8b, qwen3.6-27b)")
     p.add_argument("--drafter", help="DFlash drafter checkpoint: hub id, local folder or random:<shape> "
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-baseline", action="store_true", help="skip the AR baseline (no speedup / lossless_match)")
     p.add_argument("--stage-timing", action="store_true",
                    help="time each round stage (share_* metrics); synchronises the device, so it slows decoding")
-    p.add_argument("--tensor-parallel", type=_positive("--tensor-parallel"), default=1,
+    p.add_argument("--tensor-parallel", dest="world_size", metavar="N", type=_positive("--tensor-parallel"), default=1,
                    help="shard the target over N local processes (one GPU each; gloo on the CPU)")
     p.add_argument("--local-files-only", action="store_true",
                    help="models from this machine only (a folder or the local Hugging Face cache), never the network; "
@@ -154,19 +154,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     from workers.wire import TrialStatus
 
-    if args.tensor_parallel > 1:
-        from workers.local_group import run_local_group
+    if args.world_size > 1:
+        from tools.local_group import run_local_group
 
-        outcomes = run_local_group(args.tensor_parallel, _bench_rank, (args, params))
+        outcomes = run_local_group(args.world_size, _bench_rank, (args, params))
         failed = [o for o in outcomes if not o.ok]
         if failed:
-            print(f"workers.bench: tensor-parallel rank {failed[0].rank} failed: {failed[0].error}", file=sys.stderr)
+            print(f"tools.bench: tensor-parallel rank {failed[0].rank} failed: {failed[0].error}", file=sys.stderr)
             return 1
         kind, payload = outcomes[0].value
     else:
         kind, payload = _bench(args, params)
     if kind == "bad_input":
-        print(f"workers.bench: error: {payload}", file=sys.stderr)
+        print(f"tools.bench: error: {payload}", file=sys.stderr)
         return 2
     result = payload
     if args.json:
@@ -174,15 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         _print_table(result)
     for warning in result.warnings:
-        print(f"workers.bench: {warning}", file=sys.stderr)
+        print(f"tools.bench: {warning}", file=sys.stderr)
     if result.status is not TrialStatus.OK:
-        print(f"workers.bench: trial {result.status.value}: {result.error}", file=sys.stderr)
+        print(f"tools.bench: trial {result.status.value}: {result.error}", file=sys.stderr)
         return 1
     return 0
 
 
 def _bench_rank(tp, args: argparse.Namespace, params: MethodParams):
-    """One rank of ``--tensor-parallel N`` (``workers.local_group``): the same trial on every rank."""
+    """One rank of ``--tensor-parallel N`` (``tools.local_group``): the same trial on every rank."""
     return _bench(args, params, tp)
 
 
@@ -204,7 +204,7 @@ def _bench(args: argparse.Namespace, params: MethodParams, tp=None):
         config = WorkerConfig(target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device,
                               chat_template=not args.no_chat_template, enable_thinking=args.enable_thinking,
                               cuda_graphs=not args.no_cuda_graphs, compile_layers=args.compile_layers,
-                              tensor_parallel=args.tensor_parallel, local_files_only=args.local_files_only,
+                              world_size=args.world_size, local_files_only=args.local_files_only,
                               drafter_local_files_only=args.local_files_only)
         warning = thinking_warning(args.drafter, args.enable_thinking)
         if warning and (tp is None or tp.rank == 0):
