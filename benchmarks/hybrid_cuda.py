@@ -30,7 +30,7 @@ from workers.decoding.tree import build_tree
 from workers.models.deltanet import full_state_bytes, tree_state_bytes
 from workers.models.drafter import DFlashDrafter
 from workers.models.drafter_config import DrafterSpec
-from workers.models.static_target import StaticTarget
+from workers.models.runner.target import StaticTarget
 
 
 def hybrid_config(vocab: int = 32000):

@@ -27,7 +27,7 @@ from workers.decoding.params import TreeParams
 from workers.decoding.replay import record
 from workers.errors import BadInputError
 from workers.models.loading import Placement, load_drafter, load_target
-from workers.models.static_target import make_target
+from workers.models.runner.target import make_target
 from workers.prompts import PromptSource, load_source
 from workers.tiny import TinyShape, write_prompts, write_tiny_pair
 

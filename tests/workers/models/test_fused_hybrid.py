@@ -23,7 +23,7 @@ from workers.models.fused_hybrid import (
     one_plus_rms_norm,
 )
 from workers.models.fused_layer import PassInputs
-from workers.models.static_target import StaticTarget
+from workers.models.runner.target import StaticTarget
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 HYBRIDS = ("tiny_hybrid", "tiny_next")

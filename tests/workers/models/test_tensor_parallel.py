@@ -23,7 +23,7 @@ from workers.decoding.params import DFlashParams, TreeParams
 from workers.errors import BadInputError
 from workers.local_group import run_local_group
 from workers.models.loading import Placement, load_drafter, load_target
-from workers.models.static_target import make_target
+from workers.models.runner.target import make_target
 from workers.models.tensor_parallel import TPGroup, shard_model
 from workers.tiny import TinyShape, write_tiny_pair
 
