@@ -22,7 +22,7 @@ from workers.memory import MemoryTracer
 from workers.metrics import summarize
 from workers.models.drafter import DFlashDrafter
 from workers.models.drafter_config import DrafterSpec
-from workers.models.static_target import make_target
+from workers.models.runner.target import make_target
 from workers.prompts import Prompt
 from workers.wire import TrialSpec, WorkerConfig
 from workers.worker import Worker

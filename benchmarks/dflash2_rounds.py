@@ -27,8 +27,8 @@ from workers.decoding import ar, ddtree, dflash
 from workers.decoding.drafting import open_drafting
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import DFlashParams, TreeParams
+from workers.models.runner.target import StaticTarget
 from workers.models.shapes import build_random_drafter, build_random_target
-from workers.models.static_target import StaticTarget
 
 GOALS = (
     ("DFlash2 chain / v1 chain of the same length", "v2 dflash", "v1 dflash n=7", 1.10),

@@ -24,7 +24,7 @@ from workers.decoding.generation import GenerationConfig, StageTimer
 from workers.decoding.params import DFlashParams, TreeParams
 from workers.metrics import summarize
 from workers.models.loading import Placement, load_drafter, load_target
-from workers.models.static_target import make_target
+from workers.models.runner.target import make_target
 
 SHAPES = {
     "tiny": TinyShape(),

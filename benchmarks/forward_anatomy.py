@@ -28,8 +28,8 @@ from workers.decoding import ddtree
 from workers.decoding.drafting import EagerDrafting, open_drafting
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import TreeParams
+from workers.models.runner.target import StaticTarget
 from workers.models.shapes import build_random_drafter, build_random_target
-from workers.models.static_target import StaticTarget
 
 KINDS = (
     ("matmul", ("gemv", "gemm", "nvjet", "cutlass", "sm90_", "xmma", "splitk")),

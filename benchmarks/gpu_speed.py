@@ -32,8 +32,8 @@ from workers.decoding.drafting import EagerDrafting, open_drafting
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import DFlashParams, TreeParams
 from workers.decoding.tree import build_tree, follow_tree
+from workers.models.runner.target import StaticTarget
 from workers.models.shapes import build_random_drafter, build_random_target
-from workers.models.static_target import StaticTarget
 from workers.seam import is_hybrid
 
 QS = "1,16,64,128,256,512"

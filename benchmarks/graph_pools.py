@@ -16,8 +16,8 @@ import torch
 
 from workers.models.gdn import tree_state_bytes
 from workers.models.placement import RunBudget, graph_activation_bytes
+from workers.models.runner.target import StaticTarget
 from workers.models.shapes import build_random_target
-from workers.models.static_target import StaticTarget
 from workers.seam import is_hybrid
 
 MiB = 2**20

@@ -30,7 +30,7 @@ from workers.decoding.tree import build_tree
 from workers.models.drafter import DFlashDrafter
 from workers.models.drafter_config import DrafterSpec
 from workers.models.gdn import full_state_bytes, tree_state_bytes
-from workers.models.static_target import StaticTarget
+from workers.models.runner.target import StaticTarget
 
 
 def hybrid_config(vocab: int = 32000):
@@ -143,7 +143,7 @@ def costs(config, device, context: int, reps: int) -> list[str]:
     graphed = StaticTarget(model, prefill_chunk=256, graphs=True)
     prompt = torch.randint(1, config.vocab_size - 1, (1, context), device=device)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    rows = [f"bf16 model: {weights / 2**30:.2f} GiB weights, {len(target.linear_ids)} GDN + "
+    rows = [f"bf16 model: {weights / 2**30:.2f} GiB weights, {len(target.gdn_ids)} GDN + "
             f"{len(target.attention_ids)} attention layers; prompt {context} tokens"]
     rows.append(f"{'q':>5} {'verify ms':>10} {'graph ms':>9} {'commit ms':>10} {'graph commit':>13} "
                 f"{'peak extra MiB':>15} {'tree_state MiB':>15} {'full-state MiB':>15}")

@@ -11,8 +11,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from workers.decoding.drafting import EagerDrafting
+from workers.models.runner.target import StaticTarget
 from workers.models.shapes import build_random_drafter, build_random_target
-from workers.models.static_target import StaticTarget
 
 
 @torch.inference_mode()

@@ -25,8 +25,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.methods import entry
+from workers.models.runner.target import StaticTarget
 from workers.models.shapes import build_random_drafter, build_random_target
-from workers.models.static_target import StaticTarget
 
 
 class AnnotatingTimer:

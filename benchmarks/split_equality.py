@@ -14,8 +14,8 @@ import torch
 
 from workers.decoding import ar
 from workers.decoding.generation import GenerationConfig
+from workers.models.runner.target import StaticTarget
 from workers.models.shapes import build_random_target
-from workers.models.static_target import StaticTarget
 
 
 def main() -> int:

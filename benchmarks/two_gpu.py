@@ -20,7 +20,7 @@ from workers.decoding.params import DFlashParams, TreeParams
 from workers.models.drafter import DFlashDrafter
 from workers.models.drafter_config import DrafterSpec
 from workers.models.loading import save_drafter
-from workers.models.static_target import StaticTarget
+from workers.models.runner.target import StaticTarget
 from workers.prompts import Prompt
 from workers.wire import TrialSpec, WorkerConfig
 from workers.worker import Worker

@@ -19,7 +19,7 @@ from workers.models.loading import (  # noqa: E402
     load_drafter,  # noqa: E402
     load_target,
 )
-from workers.models.static_target import make_target  # noqa: E402
+from workers.models.runner.target import make_target  # noqa: E402
 
 TINY = TinyShape()  # vocab 32, 4 target layers, 2 drafter layers, block 8; every drafter layer sees everything
 # The drafter of the user's real pair (z-lab/Qwen3.6-27B-DFlash) mixes causal sliding-window layers with
@@ -46,7 +46,7 @@ class TinyModels:
     drafter_dir: Path
     model: torch.nn.Module
     drafter: DFlashDrafter
-    target: object  # a StaticTarget (workers.models.static_target.make_target)
+    target: object  # a StaticTarget (workers.models.runner.target.make_target)
 
 
 def _load(shape: TinyShape, folder: Path) -> TinyModels:

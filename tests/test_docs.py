@@ -1,5 +1,5 @@
 """The README and docs/ name only paths that exist: every repository path they mention (in prose,
-backticks or code blocks: ``workers/models/static_target.py``), every ``python -m`` module of the
+backticks or code blocks: ``workers/models/runner/target.py``), every ``python -m`` module of the
 project and every relative link. Files move; prose that still points at the old place sends a
 newcomer nowhere.
 """

@@ -154,7 +154,7 @@ def distill_drafter(
     from workers.decoding import ar
     from workers.decoding.generation import GenerationConfig
     from workers.models.loading import Placement, load_drafter, load_target
-    from workers.models.static_target import make_target
+    from workers.models.runner.target import make_target
 
     torch.manual_seed(seed)
     model = load_target(str(target_dir), dtype="float32", placement=Placement(device="cpu"))

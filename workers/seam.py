@@ -3,7 +3,7 @@
 The engines (``workers.decoding``) talk to a ``Target``: prefill the prompt, verify a chain or a
 ``DraftTree`` in one pass (a ``VerifyOutput`` back), commit the accepted nodes; or advance over
 tokens already known to be kept (AR's round: the pass commits them as it goes). The runner that
-implements it lives in ``workers.models`` (``static_target.make_target``). Nothing here imports
+implements it lives in ``workers.models`` (``runner.target.make_target``). Nothing here imports
 either side, so imports run one way: shell -> decoding -> models -> seam.
 """
 

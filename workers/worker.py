@@ -43,8 +43,8 @@ from workers.models.drafter_config import DrafterSpec
 from workers.models.facts import load_tokenizer
 from workers.models.loading import Placement, load_drafter, load_target, parse_dtype, resolve_checkpoint_dir
 from workers.models.placement import drafter_bytes_for
+from workers.models.runner.target import make_target
 from workers.models.sources import ModelSource
-from workers.models.static_target import make_target
 from workers.models.tensor_parallel import TPGroup, shard_model
 from workers.prompts import ChatFormat, encode, stop_token_ids
 from workers.wire import KIND_CUDA, PromptResult, TrialResult, TrialSpec, TrialStatus, WorkerConfig
@@ -59,7 +59,7 @@ class Worker:
         self.config = config
         self.model = None
         self.drafter: DFlashDrafter | None = None
-        self.target = None  # a StaticTarget (workers.models.static_target.make_target)
+        self.target = None  # a StaticTarget (workers.models.runner.target.make_target)
         self.tokenizer = None
         self._state_bytes: int | None = None  # peak tree_state_bytes of the last _generate_all (hybrids)
         self.tp: TPGroup | None = None  # this worker's rank in a tensor-parallel group (None: alone)
@@ -253,7 +253,7 @@ class Worker:
                 state_bytes = max(state_bytes, getattr(self.target, "peak_state_bytes", 0))
             outputs, baseline = timed[-1], (timed[0] if spec.baseline else None)
             self._after_prompt(outputs, baseline, on_prompt, lockstep)
-        self._state_bytes = state_bytes if getattr(self.target, "linear_ids", ()) else None
+        self._state_bytes = state_bytes if getattr(self.target, "gdn_ids", ()) else None
         return timed[-1], (timed[0] if spec.baseline else None)
 
     def _measure(self, entry, params, prompt_ids: torch.Tensor, config: GenerationConfig,

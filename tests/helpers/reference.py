@@ -31,7 +31,7 @@ class AttentionTarget:
         check_supported(model.config)
         if is_hybrid(model.config):
             raise UnsupportedModelError(
-                f"'{model.config.model_type}' is a hybrid model: use workers.models.static_target.StaticTarget"
+                f"'{model.config.model_type}' is a hybrid model: use workers.models.runner.target.StaticTarget"
             )
         self.model = model
         self.tap_layer_ids = tuple(tap_layer_ids)

@@ -28,7 +28,7 @@ from workers.decoding.params import TreeParams
 from workers.decoding.replay import record
 from workers.errors import BadInputError
 from workers.models.loading import Placement, load_drafter, load_target
-from workers.models.static_target import make_target
+from workers.models.runner.target import make_target
 from workers.prompts import PromptSource, load_source
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)

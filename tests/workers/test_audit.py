@@ -13,7 +13,7 @@ from workers.audit import audit, audit_metrics, classify, first_difference, near
 from workers.decoding import ar
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import TreeParams
-from workers.models.static_target import make_target
+from workers.models.runner.target import make_target
 from workers.prompts import Prompt
 from workers.wire import TrialSpec, WorkerConfig
 from workers.worker import Worker

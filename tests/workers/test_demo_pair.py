@@ -29,7 +29,7 @@ from workers.decoding.params import DFlashParams, TreeParams
 from workers.metrics import summarize
 from workers.models.facts import load_tokenizer
 from workers.models.loading import Placement, load_drafter, load_target
-from workers.models.static_target import make_target
+from workers.models.runner.target import make_target
 from workers.prompts import ChatFormat, encode, load_prompts, stop_token_ids
 
 # the quick recipe, smaller still: a few seconds of training on two CPU threads

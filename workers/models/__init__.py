@@ -1,2 +1,2 @@
 """Where models come from and how the target runs: loading, placement, shapes, the drafter, the
-static target and its layers."""
+static target (``runner``) and its layers."""

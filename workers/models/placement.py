@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.errors import BadInputError
-from workers.models.static_target import MAX_VERIFY_GRAPHS
+from workers.models.runner.limits import MAX_VERIFY_GRAPHS
 from workers.seam import attention_head_dim, text_config
 
 FIXED_BYTES = int(1.5 * 2**30)  # CUDA context, cuBLAS / attention workspaces, allocator slack

@@ -137,12 +137,6 @@ class TPGroup:
     group: object | None = None  # a torch.distributed ProcessGroup; None = the default group
     alarm: GroupAlarm | None = field(default=None, compare=False)  # a failing rank tells the others
 
-    @property
-    def world(self) -> int:
-        """``world_size``'s old name, still read by ``static_target.py`` (kept out of issue 24's renames
-        while it is refactored); delete once it reads ``world_size``."""
-        return self.world_size
-
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place; returns it (the same values on every rank)."""
         dist.all_reduce(tensor, group=self.group)

@@ -23,7 +23,7 @@ from workers.models.fused_hybrid import (
     one_plus_rms_norm,
 )
 from workers.models.fused_layer import PassInputs
-from workers.models.static_target import StaticTarget
+from workers.models.runner.target import StaticTarget
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 HYBRIDS = ("tiny_hybrid", "tiny_next")
@@ -157,7 +157,7 @@ def test_fused_weights_are_views_and_reduce_sees_each_partial_output(request):
 def test_static_target_runs_every_hybrid_layer_fused(request, name):
     target = StaticTarget(request.getfixturevalue(name).model)
     assert target.attention_ids and all(isinstance(f, GatedAttentionLayer) for f in target.fused.values())
-    assert target.linear_ids and all(isinstance(b, HybridGDNLayer) for b in target.linear_blocks.values())
+    assert target.gdn_ids and all(isinstance(b, HybridGDNLayer) for b in target.gdn_blocks.values())
 
 
 @pytest.mark.gpu

@@ -18,7 +18,7 @@ from workers.decoding.tree import build_tree
 from workers.models import attention
 from workers.models.attention import attend_folded, grouped_attention
 from workers.models.fused_layer import FusedLayer, fused_layer_for
-from workers.models.static_target import StaticTarget
+from workers.models.runner.target import StaticTarget
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 VOCAB = 50

@@ -128,8 +128,8 @@ def test_prologue_kernel_equals_the_torch_conv_norms_and_gates(dtype):
 def test_hybrid_on_cuda_through_the_kernel_gives_the_cpu_tree_logits():
     from workers.decoding.params import TreeParams
     from workers.decoding.tree import build_tree
+    from workers.models.runner.target import StaticTarget
     from workers.models.shapes import build_random_target
-    from workers.models.static_target import StaticTarget
 
     cpu_model = build_random_target("qwen3.6-mini", torch.float32, torch.device("cpu"))  # GDN heads of 32
     cuda_model = copy.deepcopy(cpu_model).cuda()

@@ -14,7 +14,7 @@ from workers.decoding.drafting import DraftGraphStore
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import DFlashParams, TreeParams
 from workers.decoding.tree import build_tree
-from workers.models.static_target import StaticTarget
+from workers.models.runner.target import StaticTarget
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,7 +44,7 @@ def test_graph_replay_equals_eager_token_for_token(request, name):
             assert got.token_ids == want.token_ids  # (acceptance may differ: the drafter graph reads a masked cache)
             accepted += sum(got.acceptance_lengths) - len(got.acceptance_lengths)
     if name != "tiny_next":  # MoE routing cannot be captured: that target falls back to eager, with a warning
-        assert graphed.graphs and graphed._graphs and graphed._commit_graphs, "nothing was captured"
+        assert graphed.graphs and graphed.verify_graphs.cache and graphed.commit_graphs.graphs, "nothing was captured"
         store = graphed.drafter_graphs  # the drafter's graphs, kept with the target's across generations
         assert store is not None and store._drafting.graphs, "the drafter pass was never captured"
     assert accepted > 0
@@ -129,8 +129,8 @@ def test_prompt_chunks_replayed_from_a_graph_equal_eager(request, name, segments
             tokens = ar.generate(target, None, prompt, GenerationConfig(max_new_tokens=12)).token_ids
         outputs.append((opening.logits, opening.taps, tokens))
         if graphs:
-            prefill_graph = target._advance_graphs.get(target.prefill_chunk)
-            assert prefill_graph is not None and 1 in target._advance_graphs  # AR's rounds: width 1
+            prefill_graph = target.advance_graphs.graphs.get(target.prefill_chunk)
+            assert prefill_graph is not None and 1 in target.advance_graphs  # AR's rounds: width 1
             assert (type(prefill_graph[0]).__name__ == "_Steps") == (segments == 2)
     (logits, taps_eager, tokens), (logits_g, taps_g, tokens_g) = outputs
     torch.testing.assert_close(logits_g, logits, atol=1e-5, rtol=1e-5)
@@ -159,7 +159,8 @@ def test_two_segment_graphs_on_one_gpu_equal_the_unsplit_target(request, name):
             want = engine(eager, drafter if params else None, prompt, config, params)
             got = engine(split, drafter if params else None, prompt, config, params)
             assert got.token_ids == want.token_ids
-    assert split._graphs and all(type(split._graphs[key][0]).__name__ == "_Steps" for key in split._graphs.keys())
+    verify = split.verify_graphs.cache
+    assert verify and all(type(verify[key][0]).__name__ == "_Steps" for key in verify.keys())
     log_probs = torch.log_softmax(torch.randn(7, vocab, generator=torch.Generator().manual_seed(9)) * 2, dim=-1)
     tree = build_tree(log_probs, TreeParams(24)).to(torch.device("cuda"))
     outputs = []

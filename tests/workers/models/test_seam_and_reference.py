@@ -29,7 +29,7 @@ def test_hybrids_with_layers_we_cannot_fork_are_refused_by_name(model_type):
 
 
 def test_attention_target_refuses_a_hybrid_model(tiny_hybrid):
-    with pytest.raises(UnsupportedModelError, match="hybrid model: use workers.models.static_target.StaticTarget"):
+    with pytest.raises(UnsupportedModelError, match="hybrid model: use workers.models.runner.target.StaticTarget"):
         AttentionTarget(tiny_hybrid.model)
 
 

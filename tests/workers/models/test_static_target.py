@@ -18,7 +18,7 @@ from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import TreeParams
 from workers.decoding.tree import build_tree
 from workers.models.gdn import full_state_bytes, tree_state_bytes
-from workers.models.static_target import StaticTarget
+from workers.models.runner.target import StaticTarget
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 HYBRIDS = ("tiny_hybrid", "tiny_next")

@@ -24,7 +24,7 @@ from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import DFlashParams, TreeParams
 from workers.errors import BadInputError
 from workers.models.loading import Placement, load_drafter, load_target
-from workers.models.static_target import make_target
+from workers.models.runner.target import make_target
 from workers.models.tensor_parallel import TPGroup, shard_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
