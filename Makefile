@@ -29,6 +29,10 @@ PY := $(VENV)/bin/python
 KERNELS := .triton
 WORKERS ?= 2
 PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(WORKERS) --dist loadfile
+# Python may write the bytecode of what a run imports (some machines set PYTHONDONTWRITEBYTECODE): the
+# install skips byte-compiling (below), so without this every subprocess of the suite (sweeps, Ray
+# workers) would compile torch, transformers and the rest from source again, seconds each
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install demo test test-fast test-gpu test-kernels lint
 

@@ -44,8 +44,9 @@ DEFAULT_BRANCHINGS = (2, None)
 
 
 def grid(method: str, values: dict[str, list], block: int) -> list[dict]:
-    """Every combination of the method's knobs over ``values`` (knob name -> values to try)."""
-    names = entry(method).params.knob_names()
+    """Every combination of the method's knobs over ``values`` (knob name -> values to try; a knob not
+    given keeps its default)."""
+    names = [name for name in entry(method).params.knob_names() if name in values]
     settings = [dict(zip(names, combo, strict=True)) for combo in itertools.product(*(values[n] for n in names))]
     return [s for s in settings if s.get("max_depth") is None or s["max_depth"] <= block - 1]
 

@@ -67,7 +67,7 @@ def assert_ok_result(result: TrialResult, spec: TrialSpec) -> None:
     assert result.status is TrialStatus.OK, result.error
     assert result.error is None
     assert result.method is Method.DDTREE
-    assert result.params == {"tree_budget": 8, "max_depth": 4, "branching": 2}
+    assert result.params == {"tree_budget": 8, "max_depth": 4, "branching": 2, "depth_discount": None}
     metrics = result.metrics
     for name in ("tokens_per_s", "tau", "tpot_s", "ttft_s", "speedup", "lossless_match", "peak_memory_gib"):
         assert name in metrics, name
