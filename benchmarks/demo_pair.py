@@ -30,6 +30,21 @@ from workers.models.runner.target import make_target
 from workers.prompts import ChatFormat, encode, load_prompts, stop_token_ids
 
 
+def load_pair(folder: Path, limit: int, max_new_tokens: int):
+    """The pair in ``folder`` through the project's loading code, float32 on the CPU: (model, tokenizer,
+    drafter, target runner, its held-out prompts as ids without a chat template, greedy config)."""
+    target_dir = str(folder / "target")
+    model = load_target(target_dir, dtype="float32", placement=Placement(device="cpu"))
+    tokenizer = load_tokenizer(target_dir)
+    drafter = load_drafter(str(folder / "drafter"), model)
+    target = make_target(model, drafter.spec.target_layer_ids)
+    rows = model.get_input_embeddings().weight.shape[0]
+    prompts = [torch.tensor([encode(p, tokenizer, rows, ChatFormat(chat_template=False))])
+               for p in load_prompts(folder / "prompts.jsonl", limit)]
+    config = GenerationConfig(max_new_tokens, stop_token_ids=stop_token_ids(tokenizer, model.config))
+    return model, tokenizer, drafter, target, prompts, config
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--folder", type=Path, default=SHIPPED)
@@ -40,15 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    target_dir = str(args.folder / "target")
-    model = load_target(target_dir, dtype="float32", placement=Placement(device="cpu"))
-    tokenizer = load_tokenizer(target_dir)
-    drafter = load_drafter(str(args.folder / "drafter"), model)
-    target = make_target(model, drafter.spec.target_layer_ids)
-    rows = model.get_input_embeddings().weight.shape[0]
-    prompts = [torch.tensor([encode(p, tokenizer, rows, ChatFormat(chat_template=False))])
-               for p in load_prompts(args.folder / "prompts.jsonl", args.limit)]
-    config = GenerationConfig(args.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer, model.config))
+    model, tokenizer, drafter, target, prompts, config = load_pair(args.folder, args.limit, args.max_new_tokens)
 
     settings = [("ar", ar.generate, None, None), ("dflash", dflash.generate, drafter, DFlashParams())]
     settings += [(f"ddtree B={b}", ddtree.generate, drafter, TreeParams(int(b))) for b in args.budgets.split(",")]

@@ -14,17 +14,13 @@ import argparse
 from pathlib import Path
 
 import torch
+from demo_pair import load_pair  # a sibling script: benchmarks/ is on sys.path
 from rich.console import Console
 from rich.table import Table
 
 from tools.demo_pair import SHIPPED
-from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import TreeParams
 from workers.decoding.replay import ddtree_lengths, dflash_lengths, record
-from workers.models.facts import load_tokenizer
-from workers.models.loading import Placement, load_drafter, load_target
-from workers.models.runner.target import make_target
-from workers.prompts import ChatFormat, encode, load_prompts, stop_token_ids
 
 
 def tau(lengths: list[int]) -> float:
@@ -42,15 +38,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    target_dir = str(args.folder / "target")
-    model = load_target(target_dir, dtype="float32", placement=Placement(device="cpu"))
-    tokenizer = load_tokenizer(target_dir)
-    drafter = load_drafter(str(args.folder / "drafter"), model)
-    target = make_target(model, drafter.spec.target_layer_ids)
-    rows = model.get_input_embeddings().weight.shape[0]
-    prompts = [torch.tensor([encode(p, tokenizer, rows, ChatFormat(chat_template=False))])
-               for p in load_prompts(args.folder / "prompts.jsonl", args.limit)]
-    config = GenerationConfig(args.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer, model.config))
+    _, _, drafter, target, prompts, config = load_pair(args.folder, args.limit, args.max_new_tokens)
     budgets = [int(b) for b in args.budgets.split(",")]
     tables = [record(target, drafter, prompt, config, top_k=max(budgets)) for prompt in prompts]
 
