@@ -128,7 +128,7 @@ def launches(shape: dict, q: int = 257) -> list[Launch]:
     slots = torch.arange(q) + 1024
     for splits in (1, 4):
         family = f"verify attention ({splits} key splits)"
-        for choice, tiles in enumerate(attention_triton.TILES):  # each tried in turn until one fits the GPU
+        for choice, tiles in enumerate(attention_triton.tiles_for(head_dim)):  # tried in turn until one fits
             attention: list[Launch] = []
             with (attention_triton.only_tiles(tiles),
                   recording(attention_triton, "_attention_kernel", f"{family[:-1]}, {'x'.join(map(str, tiles))})",

@@ -25,7 +25,7 @@ import argparse
 import torch
 import triton
 import triton.language as tl
-from forward_anatomy import graphed  # a sibling script: benchmarks/ is on sys.path
+from forward_anatomy import replay_us  # a sibling script: benchmarks/ is on sys.path
 
 from workers.models.fused_hybrid_triton import one_plus_rms_norm
 
@@ -45,22 +45,6 @@ def _add_norm_kernel(X, R, W, SUM, OUT, n, eps, BLOCK: tl.constexpr):
     w = tl.load(W + cols, mask=valid, other=0.0).to(tl.float32)
     y = x * tl.rsqrt(tl.sum(x * x, axis=0) / n + eps) * (1.0 + w)
     tl.store(OUT + row * n + cols, y.to(OUT.dtype.element_ty), mask=valid)
-
-
-def replay_us(fn, calls: int = 20, reps: int = 7) -> float:
-    """Median microseconds per call of ``calls`` calls captured in one CUDA graph (timed by events:
-    back-to-back products of ~20 us, no host gap between them)."""
-    replay = graphed(lambda: [fn() for _ in range(calls)])
-    replay()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(reps):
-        begin.record()
-        replay()
-        end.record()
-        end.synchronize()
-        samples.append(begin.elapsed_time(end) * 1e3 / calls)
-    return sorted(samples)[len(samples) // 2]
 
 
 def epilogue_table(rate: float) -> None:

@@ -118,9 +118,12 @@ class Clock:
         self._sync()
         self._first = time.perf_counter()
 
-    def finish(self) -> tuple[float, float]:
-        self._sync()
-        end = time.perf_counter()
+    def finish(self, ended_at: float | None = None) -> tuple[float, float]:
+        """(TTFT, decode) seconds; ``ended_at``: when the last token reached the host (work queued
+        after it is not the output's), else now, once the device is done."""
+        if ended_at is None:
+            self._sync()
+        end = time.perf_counter() if ended_at is None else ended_at
         return self._first - self._begin, end - self._first
 
 

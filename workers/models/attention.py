@@ -21,16 +21,16 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from workers.models.kernels import ROW_BLOCK, triton_available
+from workers.models.kernels import triton_available
 
 NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # above this many folded query rows (query heads per K/V head x queries) one fused SDPA kernel wins
 SMALL_ATTENTION_ROWS = 512
-# given the pass's K/V slots, the Triton kernel from one full block of rows on: it reads the keys up to
-# the pass's last slot where the batched products read the whole buffer (the faster at Qwen3.6-27B's
-# q = 17 and 65: ``benchmarks/attention_kernels.py``, whose "SDPA all" column is those products, run in
-# ``benchmarks/results/hybrid_speed_h200.md``)
-KERNEL_ROWS = ROW_BLOCK
+# given the pass's K/V slots, the Triton kernel from this many folded rows on (a decode step's too):
+# it reads the keys up to the pass's last slot where the batched products read the whole buffer
+# (``benchmarks/attention_kernels.py``, whose "SDPA all" column is those products; results in
+# ``benchmarks/results/wide_passes_h200.md``)
+KERNEL_ROWS = 1
 
 
 def grouped_attention(
@@ -59,8 +59,8 @@ def attend_folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
     additive mask [R, C] (None: all visible) -> [Hkv, R, D].
 
     Given the pass's K/V ``slots`` (every key after the last of them masked, every key before the
-    first visible), half-precision inputs on CUDA and at least ``KERNEL_ROWS`` rows:
-    ``attention_triton.attend_until``, which reads keys only up to that slot. Otherwise, few rows:
+    first visible) and half-precision inputs on CUDA: ``attention_triton.attend_until``, which reads
+    keys only up to that slot. Otherwise, few rows:
     scores by one batched product and softmax (accumulated in float32, as transformers' eager
     attention), three small kernels, cheaper than a fused SDPA kernel for a handful of rows
     (``benchmarks/attention_kernels.py``). Many rows: SDPA.

@@ -19,6 +19,7 @@ Tested against SDPA in ``tests/workers/models/test_attention_triton.py`` (GPU-ma
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -26,13 +27,21 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from workers.models.kernels import MAX_KEY_SPLITS, ROW_BLOCK
+from workers.models.kernels import MAX_KEY_SPLITS, row_block
 
-# (keys per step, warps, pipeline stages), tried in this order on each device and head size until one
-# compiles within its shared memory (rows per program: ``kernels.ROW_BLOCK``). At D = 256 the first
-# takes 168 KB a block, which an H200 has; an RTX A6000 (99 KB) takes the second, 72 KB
-# (``benchmarks/kernel_resources.py``; ``benchmarks/attention_kernels.py`` times others).
-TILES = ((64, 8, 2), (32, 8, 2))
+# (most query rows per program, keys per step, warps, pipeline stages) for head sizes up to 128 and
+# for 256, tried in this order on each device, head size and pass width until one compiles within the
+# GPU's shared memory; a program takes ``kernels.row_block`` of the pass's folded rows, up to the first
+# number. The first choices are the fastest on an H200 (``benchmarks/attention_kernels.py``: at D = 128
+# one warp group of 4 per 64 rows, Hopper's wgmma shape; at D = 256, 8 warps keep the [rows, 256]
+# float32 sums in registers). An RTX A6000 (99 KB) takes the second at D = 256
+# (``benchmarks/kernel_resources.py`` prints each choice's shared memory and spills).
+TILES = {128: ((64, 32, 4, 3), (64, 32, 4, 2), (32, 32, 4, 1)),
+         256: ((128, 64, 8, 2), (64, 32, 8, 2), (32, 32, 4, 1))}
+
+
+def tiles_for(dim: int) -> tuple[tuple[int, int, int, int], ...]:
+    return TILES[128] if dim <= 128 else TILES[256]
 
 
 @triton.jit
@@ -106,7 +115,9 @@ def _attention_kernel(Q, K, V, MASK, SLOTS, OUT, PARTIAL, STATS, rows, last, k_h
 @triton.jit
 def _merge_kernel(PARTIAL, STATS, OUT, count, D: tl.constexpr, SPLITS: tl.constexpr, BR: tl.constexpr):
     """Program (block of BR of the count = Hkv x R folded rows): OUT = the splits' PARTIAL sums, each
-    weighted by exp(its max - the largest max), over the same weighting of their STATS sums."""
+    weighted by exp(its max - the largest max), over the same weighting of their STATS sums. The
+    splits' loops are unrolled, so their loads are in flight together: a decode step's merge is a few
+    rows, where one dependent load after another would be its whole cost."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     d = tl.arange(0, D)
     in_rows = r < count
@@ -115,7 +126,7 @@ def _merge_kernel(PARTIAL, STATS, OUT, count, D: tl.constexpr, SPLITS: tl.conste
         top = tl.maximum(top, tl.load(STATS + (split * count + r) * 2, mask=in_rows, other=0.0))
     acc = tl.zeros((BR, D), dtype=tl.float32)
     total = tl.zeros((BR,), dtype=tl.float32)
-    for split in range(SPLITS):  # a loop, not unrolled: one [BR, D] tile of partial sums live at a time
+    for split in tl.static_range(SPLITS):
         at = split * count + r
         weight = tl.exp(tl.load(STATS + at * 2, mask=in_rows, other=0.0) - top)  # a split that read no key: 0
         total += weight * tl.load(STATS + at * 2 + 1, mask=in_rows, other=1.0)  # rows past count: finite, not stored
@@ -124,18 +135,21 @@ def _merge_kernel(PARTIAL, STATS, OUT, count, D: tl.constexpr, SPLITS: tl.conste
              mask=in_rows[:, None])
 
 
-MERGE_ROWS = 16  # folded rows per program of the splits' merge
+# partial sums a program of the merge holds per split ([rows, D]), and the fewest rows it takes
+MERGE_ELEMENTS, MERGE_MIN_ROWS = 1024, 2
 
-# (device, head size) -> the first of TILES that fit its shared memory, or None: none did (SDPA then)
-_CHOSEN: dict[tuple[str, int], tuple[int, int, int] | None] = {}
+# (device, head size, pass rows' class: ``kernels.row_block``) -> the first of TILES that fit its
+# shared memory, or None: none did (SDPA then)
+_CHOSEN: dict[tuple[str, int, int], tuple[int, int, int, int] | None] = {}
 
 
 @contextlib.contextmanager
-def only_tiles(tiles: tuple[int, int, int]) -> Iterator[None]:
-    """Inside: ``tiles`` (keys per step, warps, stages) alone, on every device (the benchmarks time or
-    compile one choice at a time); the per-device choices are forgotten on the way in and out."""
+def only_tiles(tiles: tuple[int, int, int, int]) -> Iterator[None]:
+    """Inside: ``tiles`` (most rows per program, keys per step, warps, stages) alone, at every head size
+    on every device (the benchmarks time or compile one choice at a time); the per-device choices are
+    forgotten on the way in and out."""
     global TILES
-    saved, TILES = TILES, (tiles,)
+    saved, TILES = TILES, {128: (tiles,), 256: (tiles,)}
     _CHOSEN.clear()
     try:
         yield
@@ -144,45 +158,55 @@ def only_tiles(tiles: tuple[int, int, int]) -> Iterator[None]:
         _CHOSEN.clear()
 
 
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The GPU's multiprocessors (1 off CUDA: Triton's interpreter runs the kernels on the CPU)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
 def supports(query: torch.Tensor, key: torch.Tensor) -> bool:
     """Half-precision inputs, a power-of-two head size the tiles take, rows contiguous, and not a GPU
     found to lack the shared memory for every choice of tiles."""
     dim = query.shape[-1]
     return (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and key.dtype == query.dtype
             and 16 <= dim <= 256 and dim & (dim - 1) == 0 and key.stride(-1) == 1
-            and _CHOSEN.get((str(query.device), dim), ()) is not None)
+            and _CHOSEN.get((str(query.device), dim, row_block(query.shape[1])), ()) is not None)
 
 
 def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                 slots: torch.Tensor, scale: float, splits: int | None = None) -> torch.Tensor | None:
+                 slots: torch.Tensor, scale: float, splits: int | None = None,
+                 rows_per_program: int | None = None) -> torch.Tensor | None:
     """Softmax attention of folded rows query [Hkv, R, D] over key/value [Hkv, C, D] (rows contiguous,
     K and V of the same strides) with the additive mask [R, C], reading keys up to the last of
     ``slots`` (the pass's K/V slots; every later key must be masked) -> [Hkv, R, D]. The keys before
     the first slot (the committed past) must be visible to every row: the mask is read from there on.
-    ``splits``: of the keys (None: enough programs to fill the GPU twice, at most ``MAX_KEY_SPLITS``).
-    None (and ``supports`` false from then on) if this GPU lacks the shared memory for every TILES."""
+    ``splits``: of the keys (None: enough programs to fill the GPU twice, at most ``MAX_KEY_SPLITS``);
+    ``rows_per_program``: None, as TILES say (the benchmarks set it). None (and ``supports`` false
+    from then on) if this GPU lacks the shared memory for every choice of TILES."""
     heads, rows, dim = query.shape
-    chosen = (str(query.device), dim)
+    chosen = (str(query.device), dim, row_block(rows))
     if chosen in _CHOSEN and _CHOSEN[chosen] is None:
         return None
     query = query.contiguous()
     mask = mask if mask.stride(-1) == 1 else mask.contiguous()
     out = torch.empty_like(query)
-    blocks = triton.cdiv(rows, ROW_BLOCK)
-    if splits is None:
-        sms = torch.cuda.get_device_properties(query.device).multi_processor_count
-        splits = max(1, min(MAX_KEY_SPLITS, triton.cdiv(2 * sms, blocks * heads)))
-    partial = stats = out
-    if splits > 1:
-        partial = torch.empty(splits, heads, rows, dim, dtype=torch.float32, device=query.device)
-        stats = torch.empty(splits, heads, rows, 2, dtype=torch.float32, device=query.device)
-    for tiles in (_CHOSEN[chosen],) if chosen in _CHOSEN else TILES:
-        keys, warps, stages = tiles
+    for tiles in (_CHOSEN[chosen],) if chosen in _CHOSEN else tiles_for(dim):
+        most, keys, warps, stages = tiles
+        block_rows = rows_per_program or row_block(rows, most)
+        blocks = triton.cdiv(rows, block_rows)
+        key_splits = splits
+        if key_splits is None:
+            sms = multiprocessors(query.device)
+            key_splits = max(1, min(MAX_KEY_SPLITS, triton.cdiv(2 * sms, blocks * heads)))
+        partial = stats = out
+        if key_splits > 1:
+            partial = torch.empty(key_splits, heads, rows, dim, dtype=torch.float32, device=query.device)
+            stats = torch.empty(key_splits, heads, rows, 2, dtype=torch.float32, device=query.device)
         try:
-            _attention_kernel[(blocks, heads, splits)](
+            _attention_kernel[(blocks, heads, key_splits)](
                 query, key, value, mask, slots, out, partial, stats, rows, slots.shape[0] - 1, key.stride(0),
-                key.stride(1), mask.stride(0), scale, D=dim, BM=ROW_BLOCK, BN=keys, SPLITS=splits, num_warps=warps,
-                num_stages=stages,
+                key.stride(1), mask.stride(0), scale, D=dim, BM=block_rows, BN=keys, SPLITS=key_splits,
+                num_warps=warps, num_stages=stages,
             )
         except OutOfResources:  # raised when compiling, before any launch: the next tiles
             continue
@@ -191,7 +215,10 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     else:
         _CHOSEN[chosen] = None
         return None
-    if splits > 1:
-        _merge_kernel[(triton.cdiv(heads * rows, MERGE_ROWS),)](partial, stats, out, heads * rows, D=dim,
-                                                                SPLITS=splits, BR=MERGE_ROWS, num_warps=4)
+    if key_splits > 1:  # rows per program: enough programs for every multiprocessor, up to MERGE_ELEMENTS
+        count = heads * rows
+        merge_rows = max(MERGE_MIN_ROWS, min(MERGE_ELEMENTS // dim,
+                                             triton.next_power_of_2(triton.cdiv(count, multiprocessors(query.device)))))
+        _merge_kernel[(triton.cdiv(count, merge_rows),)](partial, stats, out, count, D=dim, SPLITS=key_splits,
+                                                         BR=merge_rows, num_warps=4)
     return out

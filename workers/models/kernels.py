@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import functools
 
-# ``attention_triton``: query rows per program, and the most splits of the keys (which it makes only
-# while programs are fewer than twice the GPU's multiprocessors; their partial sums are float32
-# [splits, Hkv, R, D], so under 4 x multiprocessors x ROW_BLOCK rows of D)
-ROW_BLOCK = 64
+# ``attention_triton``: the most query rows per program, and the most splits of the keys (which it
+# makes only while programs are fewer than twice the GPU's multiprocessors; their partial sums are
+# float32 [splits, Hkv, R, D], so under 4 x multiprocessors x ROW_BLOCK rows of D)
+ROW_BLOCK = 128
 MAX_KEY_SPLITS = 8
+
+
+def row_block(rows: int, most: int = ROW_BLOCK) -> int:
+    """Query rows per program of the attention kernel for a pass of ``rows`` folded rows, at most
+    ``most``: the fewest of 16, 32, 64 that hold them (a decode step's few rows need no 64-row tile),
+    and 128 from 256 rows on (below that two programs of 64 rows beat one of 128:
+    ``benchmarks/attention_kernels.py``)."""
+    if rows >= 256 and most >= 128:
+        return 128
+    return min(most, 64, max(16, 1 << (max(rows, 1) - 1).bit_length()))
 
 
 @functools.cache

@@ -22,7 +22,10 @@ pytestmark = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("heads", "groups", "q", "capacity", "length", "dim"),
                          [(4, 6, 257, 2000, 1024, 256), (4, 6, 100, 700, 0, 256), (8, 4, 300, 1500, 333, 128),
-                          (2, 8, 1025, 2100, 1000, 128)])
+                          (2, 8, 1025, 2100, 1000, 128),
+                          # a decode step's few rows (16 and 32 rows a program): Qwen3-8B's and Qwen3.6-27B's heads
+                          (8, 4, 1, 3072, 1024, 128), (4, 6, 1, 2000, 1024, 256), (4, 6, 3, 700, 5, 256),
+                          (8, 4, 2, 300, 0, 128)])
 @torch.inference_mode()
 def test_triton_attention_equals_sdpa_and_stops_at_the_last_slot(dtype, heads, groups, q, capacity, length, dim):
     from workers.models.attention_triton import attend_until
@@ -50,7 +53,8 @@ def test_tiles_too_large_for_the_gpu_fall_back_to_sdpa(monkeypatch):
 
     query, key, value, mask, slots = pass_inputs(4, 6, 100, 700, 50, 128, torch.bfloat16, 0)
     want = attend_folded(query, key[:, :150], value[:, :150], mask[:, :150], 128**-0.5)
-    monkeypatch.setattr(attention_triton, "TILES", ((2048, 8, 2), (1024, 8, 2)))  # K/V tiles over any GPU's limit
+    too_large = ((64, 2048, 8, 2), (64, 1024, 8, 2))  # K/V tiles over any GPU's limit
+    monkeypatch.setattr(attention_triton, "TILES", {128: too_large, 256: too_large})
     monkeypatch.setattr(attention_triton, "_CHOSEN", {})
     got = attend_folded(query, torch.nan_to_num(key), torch.nan_to_num(value), mask, 128**-0.5, slots=slots)
     torch.testing.assert_close(got, want)
@@ -65,8 +69,8 @@ def test_tiles_too_large_for_the_gpu_fall_back_to_the_next_tiles(monkeypatch):
 
     query, key, value, mask, slots = pass_inputs(4, 6, 100, 700, 50, 128, torch.bfloat16, 0)
     want = attend_folded(query, key[:, :150], value[:, :150], mask[:, :150], 128**-0.5)
-    monkeypatch.setattr(attention_triton, "TILES", ((1024, 8, 2), (32, 4, 2)))
+    monkeypatch.setattr(attention_triton, "TILES", {128: ((64, 1024, 8, 2), (64, 32, 4, 2)), 256: ()})
     monkeypatch.setattr(attention_triton, "_CHOSEN", {})
     got = attention_triton.attend_until(query, key, value, mask, slots, 128**-0.5)
-    assert got is not None and attention_triton._CHOSEN == {(str(query.device), 128): (32, 4, 2)}
+    assert got is not None and attention_triton._CHOSEN == {(str(query.device), 128, 128): (64, 32, 4, 2)}
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

@@ -70,7 +70,8 @@ def test_the_tree_kernel_equals_the_torch_tree_form(q, depth, dk, dv):
 
 
 @pytest.mark.parametrize(("heads", "groups", "q", "capacity", "length", "dim"),
-                         [(2, 3, 30, 200, 100, 32), (1, 4, 129, 1300, 1024, 32), (2, 1, 257, 700, 0, 16)])
+                         [(2, 3, 30, 200, 100, 32), (1, 4, 129, 1300, 1024, 32), (2, 1, 257, 700, 0, 16),
+                          (2, 2, 1, 300, 200, 32)])
 @torch.inference_mode()
 def test_the_attention_kernel_equals_the_torch_attention(heads, groups, q, capacity, length, dim):
     """attend_until (keys up to the pass's last slot, the mask read over the pass's own keys; the keys
