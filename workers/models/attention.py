@@ -26,11 +26,6 @@ from workers.models.kernels import triton_available
 NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # above this many folded query rows (query heads per K/V head x queries) one fused SDPA kernel wins
 SMALL_ATTENTION_ROWS = 512
-# given the pass's K/V slots, the Triton kernel from this many folded rows on (a decode step's too):
-# it reads the keys up to the pass's last slot where the batched products read the whole buffer
-# (``benchmarks/attention_kernels.py``, whose "SDPA all" column is those products; results in
-# ``benchmarks/results/wide_passes_h200.md``)
-KERNEL_ROWS = 1
 
 
 def grouped_attention(
@@ -65,8 +60,10 @@ def attend_folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
     attention), three small kernels, cheaper than a fused SDPA kernel for a handful of rows
     (``benchmarks/attention_kernels.py``). Many rows: SDPA.
     """
-    if (query.shape[1] >= KERNEL_ROWS and slots is not None and mask is not None and query.is_cuda
-            and triton_available()):
+    # with the slots, the kernel whatever the rows (a decode step's too): it reads the keys up to the
+    # pass's last slot where the batched products read the whole buffer (``benchmarks/attention_kernels.py``,
+    # whose "no kernel" lines are those products; results in ``benchmarks/results/wide_passes_h200.md``)
+    if slots is not None and mask is not None and query.is_cuda and triton_available():
         from workers.models import attention_triton
 
         if attention_triton.supports(query, key):

@@ -123,15 +123,15 @@ def graph_activation_bytes(config, budget: RunBudget, dtype: torch.dtype) -> int
     element = torch.empty((), dtype=dtype).element_size()
     row = GRAPH_ROW_FACTOR * (3 * cfg.intermediate_size + 6 * cfg.hidden_size)
     # few rows attend by batched products where the Triton kernel is not taken (``attention.attend_folded``):
-    # scores and softmax [Hkv, rows, C]; from ``KERNEL_ROWS`` rows the kernel's split keys' partial sums,
-    # float32 (merged by one kernel, which makes no copy). The larger of the two that can happen.
-    from workers.models.attention import KERNEL_ROWS, SMALL_ATTENTION_ROWS
+    # scores and softmax [Hkv, rows, C]; where it is, the kernel's split keys' partial sums, float32
+    # (merged by one kernel, which makes no copy). The larger of the two that can happen.
+    from workers.models.attention import SMALL_ATTENTION_ROWS
     from workers.models.kernels import MAX_KEY_SPLITS, ROW_BLOCK
 
     rows = cfg.num_attention_heads // cfg.num_key_value_heads * budget.max_verify
     scores = 2 * cfg.num_key_value_heads * rows * budget.max_tokens * element if rows <= SMALL_ATTENTION_ROWS else 0
     partial_rows = min(MAX_KEY_SPLITS * cfg.num_key_value_heads * rows, 4 * MULTIPROCESSORS * ROW_BLOCK)
-    partials = partial_rows * attention_head_dim(cfg) * 4 if rows >= KERNEL_ROWS else 0
+    partials = partial_rows * attention_head_dim(cfg) * 4
     return GRAPH_POOL_SLACK + budget.max_verify * row * element + max(scores, partials)
 
 
