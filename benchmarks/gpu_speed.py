@@ -28,7 +28,7 @@ import torch
 
 from tests.helpers.reference import AttentionTarget
 from workers.decoding import ar, ddtree, dflash
-from workers.decoding.drafting import EagerDrafting, open_drafting
+from workers.decoding.drafting import EagerDrafting, GraphDrafting, open_drafting
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import DFlashParams, TreeParams
 from workers.decoding.tree import build_tree, follow_tree
@@ -236,10 +236,25 @@ def main() -> int:
     context = opening.taps
     draft_ms = median_ms(lambda: eager_drafting.draft(bonus, context[:, -1:], 15), args.reps)
     graphs = open_drafting(drafter, graphed, args.context + 600)  # kept with the target for the rounds below
-    graphs.draft(bonus, context, 15)  # the prompt's context, eagerly
-    graph_ms = median_ms(lambda: graphs.draft(bonus, context[:, -1:], 15), args.reps)
+    op_by_op = GraphDrafting(drafter, graphed, args.context + 600, fused=False)
+    timed = {}
+    for label, drafting in (("graph", graphs), ("graph op by op", op_by_op)):
+        drafting.draft(bonus, context, 15)  # the prompt's context, eagerly
+        timed[label] = median_ms(lambda d=drafting: d.draft(bonus, context[:, -1:], 15), args.reps)
+    # the pass reads the drafter's weights and the target's lm_head once (and 16 embedding rows)
+    draft_bytes = sum(p.numel() * p.element_size() for p in drafter.parameters())
+    draft_bytes += model.get_output_embeddings().weight.numel() * model.get_output_embeddings().weight.element_size()
+    draft_floor = draft_bytes / bandwidth * 1e3
+    measured["drafter graph"], measured["drafter floor"] = timed["graph"], draft_floor
     lines.append(f"drafter forward (block {drafter.block_size}) + lm_head on 15 rows: {draft_ms:.2f} ms eager, "
-                 f"{graph_ms:.2f} ms graph")
+                 f"{timed['graph']:.2f} ms graph (fused layers; {timed['graph'] / draft_floor:.2f}x its weight floor "
+                 f"{draft_floor:.2f} ms), {timed['graph op by op']:.2f} ms graph op by op")
+    if args.profile:
+        from forward_anatomy import kernel_breakdown
+
+        for label, drafting in (("fused", graphs), ("op by op", op_by_op)):
+            kernel_breakdown(lambda d=drafting: d.draft(bonus, context[:, -1:], 15), f"drafter pass, graph, {label}",
+                             lines, top=args.top)
     lines.append(f"{'B':>5} {'build ms':>9} {'K<=8':>6} {'graph ms':>9} {'K<=8':>6} {'walk ms':>8} {'commit ms':>10}"
                  "   (tree built on the GPU: eager, replayed)")
     draft_logits = torch.randn(15, vocab, device=device)

@@ -61,10 +61,12 @@ class EagerDrafting:
 
 
 class GraphDrafting:
-    def __init__(self, drafter: DFlashDrafter, target: Target, capacity: int) -> None:
+    def __init__(self, drafter: DFlashDrafter, target: Target, capacity: int, fused: bool = True) -> None:
+        """``fused``: the drafter's layers as ``fused_drafter`` runs them where they allow (False: op by
+        op, what ``benchmarks/gpu_speed.py`` compares against)."""
         capacity = -(-capacity // 1024) * 1024  # rounded up so slightly longer prompts reuse the graphs
         weight = drafter.fc.weight
-        self.drafter, self.target = drafter, target
+        self.drafter, self.target, self.fused = drafter, target, fused
         self.cache = drafter.new_cache(capacity)
         self.capacity = capacity
         self.block_ids = torch.full((1, drafter.block_size), drafter.spec.mask_token_id, dtype=torch.long,
@@ -114,7 +116,7 @@ class GraphDrafting:
 
     def _pass(self, num_new: int, rows: int) -> Draft:
         embeds = self.target.model.get_input_embeddings()(self.block_ids)
-        hidden = self.drafter.forward_at(embeds, self.context[:, :num_new], self.cache, self.length)
+        hidden = self.drafter.forward_at(embeds, self.context[:, :num_new], self.cache, self.length, self.fused)
         return self.drafter.propose(hidden[0, 1 : 1 + rows], self.target.model.get_output_embeddings(),
                                     self.block_ids[0, :1])
 

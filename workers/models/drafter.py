@@ -28,19 +28,24 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from workers.models.attention import NO_CUDNN, grouped_attention
 from workers.models.drafter_config import DrafterSpec, LayerAttention
+from workers.models.fused_drafter import fused_drafter_layers, fused_pass
 
 
 class DrafterCache:
-    """Preallocated context K/V of every drafter layer: [layers][1, kv_heads, capacity, head_dim].
+    """Preallocated context K/V of every drafter layer: pairs[layer] [2 (K, V), 1, kv_heads, capacity,
+    head_dim], with keys[layer] and values[layer] views of its halves.
 
-    Holds the projected context of committed tokens 0..length-1; block K/V are never stored.
+    Holds the projected context of committed tokens 0..length-1. The plain pass never stores the
+    block's K/V; the fused pass (``fused_drafter``) writes them in the slots after the context, which
+    the next round's context overwrites.
     """
 
     def __init__(self, spec: DrafterSpec, capacity: int, device: torch.device, dtype: torch.dtype) -> None:
         cfg = spec.qwen3_config
-        shape = (1, cfg.num_key_value_heads, capacity, cfg.head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        shape = (2, 1, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        self.pairs = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.keys = [pair[0] for pair in self.pairs]
+        self.values = [pair[1] for pair in self.pairs]
         self.capacity = capacity
         self.length = 0
 
@@ -61,6 +66,7 @@ class DrafterAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
                                                             cfg.head_dim)
+        self.scaling = self.head_dim**-0.5  # (grouped_attention's default; ``FusedLayer`` reads it)
         bias = bool(getattr(cfg, "attention_bias", False))
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
@@ -182,11 +188,17 @@ class DFlashDrafter(nn.Module):
         return self.norm(hidden)
 
     def forward_at(
-        self, block_embeds: torch.Tensor, new_context: torch.Tensor, cache: DrafterCache, length: torch.Tensor
+        self, block_embeds: torch.Tensor, new_context: torch.Tensor, cache: DrafterCache, length: torch.Tensor,
+        fused: bool = True,
     ) -> torch.Tensor:
         """``forward`` with the committed context length as a device scalar, for CUDA-graph capture:
         the new context's K/V go to slots length.., and attention reads the whole cache under a mask
-        instead of a host-sized slice. Leaves ``cache.length`` to the caller."""
+        instead of a host-sized slice. Leaves ``cache.length`` to the caller. The cache needs room for
+        the block after the new context. ``fused``: run the layers as ``fused_drafter`` does, where
+        every layer allows (False: op by op, as the benchmarks compare)."""
+        layers = fused_drafter_layers(self) if fused else None
+        if layers is not None:
+            return fused_pass(self, layers, block_embeds, new_context, cache, length)
         num_new, block = new_context.shape[1], block_embeds.shape[1]
         device = new_context.device
         positions = (length + torch.arange(num_new + block, device=device)).unsqueeze(0)

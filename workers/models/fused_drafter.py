@@ -1,0 +1,104 @@
+"""A DFlash drafter's capturable pass in few kernels: its layers as the target's ``FusedLayer``.
+
+A drafter layer is a Qwen3 decoder layer whose attention also reads the context: the target's taps
+of the newly committed tokens, through ``fc`` and ``hidden_norm``, become extra keys and values by
+the layer's own k_proj/v_proj (+k_norm, rotary), kept in the drafter cache. Written op by op
+(``DFlashDrafter.forward_at``) a layer issues ~50 kernels (six per RMSNorm, a rotary of ten, two
+projections for the context's K/V, SDPA over the whole cache); the weights read take a fraction of
+the pass. Here each layer is one ``FusedLayer`` (its q/k/v and gate/up matrices fused, views of
+the drafter's own weights) and the context rides in the block's products:
+
+    x      = [context (T rows); norm(block) (b rows)]          one q/k/v product over T + b rows
+    heads  -> q/k normed and rotated, K/V of all T + b rows written at their positions (slot =
+              position), queries folded                        one kernel on CUDA
+    attend  folded rows over the cache up to the block's last slot, under the layer's mask
+    block += o_proj(attended block rows); block += down(silu(gate) * up)(norm(block))
+
+The block's own K/V thus sit in the cache right after the context (the next round overwrites them
+with its context), so one attention over the cache replaces "cache, then the block". The context
+rows' queries are attended too and dropped: a handful of rows, cheaper than a copy to leave them
+out. The attention reads the mask from slot 0 (a sliding layer hides the oldest keys), and no key
+past the block's last slot (``attention_triton.attend_until`` on CUDA in half precision).
+
+Off CUDA the same arithmetic runs in torch (``fused_layer``'s ``*_torch`` forms), so CPU tests hold
+this pass to the plain one (``tests/workers/models/test_drafter_static.py``,
+``test_drafter_attention.py``). Layers of another kind (DFlash2's convolutions) keep the plain pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.models.attention import attend_folded
+from workers.models.fused_layer import (
+    FusedLayer,
+    PassInputs,
+    add_projection_,
+    fused_layer_for,
+    norm_rotate_heads,
+    norm_rotate_heads_torch,
+    rms_norm,
+    silu_mul,
+)
+from workers.models.kernels import triton_available
+
+
+def fused_drafter_layers(drafter: nn.Module) -> list[FusedLayer] | None:
+    """Every layer of a plain DFlash drafter as a ``FusedLayer`` (made once, kept on the layer), or
+    None when any layer is of another kind (DFlash2) or shape."""
+    from workers.models.drafter import DrafterLayer
+
+    config = drafter.spec.qwen3_config
+    if not all(type(layer) is DrafterLayer for layer in drafter.layers):
+        return None
+    fused = [fused_layer_for(layer, config) for layer in drafter.layers]
+    return None if any(f is None for f in fused) else fused
+
+
+def fused_pass(drafter: nn.Module, layers: list[FusedLayer], block_embeds: torch.Tensor,
+               new_context: torch.Tensor, cache, length: torch.Tensor) -> torch.Tensor:
+    """``DFlashDrafter.forward_at`` through ``layers``: block_embeds [1, b, H] at positions length + T..,
+    new_context [1, T, k*H] (taps of tokens at length..length+T-1), cache with room for T + b slots
+    past length -> the final-normed block hidden states [1, b, H]. Leaves ``cache.length`` to the caller."""
+    from workers.models.drafter import attention_mask
+
+    num_new, block = new_context.shape[1], block_embeds.shape[1]
+    rows, device = num_new + block, block_embeds.device
+    positions = length + torch.arange(rows, device=device)  # [T + b]: the context's, then the block's (= slots)
+    context = rms_norm(F.linear(new_context[0], drafter.fc.weight), drafter.hidden_norm)  # [T, H]
+    cos, sin = drafter.rotary_emb(context, positions[None])  # [1, T + b, D]
+    slots = torch.arange(cache.capacity, device=device)
+    exists = slots < length + rows  # the committed context, this pass's context and the block
+    groups = layers[0].query_heads // layers[0].kv_heads
+    kinds = drafter.spec.layer_attention
+    inputs = {kind: PassInputs.build(cos, sin, positions,  # layers that attend alike share their inputs
+                                     attention_mask(kind, positions, slots, exists, block_embeds.dtype)[0, 0], groups)
+              for kind in set(kinds)}
+    # attention bounds: the mask read from slot 0 on (a sliding layer hides the oldest keys), nothing past the block
+    reads = torch.stack((torch.zeros_like(positions[0]), positions[-1]))
+    hidden = block_embeds[0].clone()  # [b, H], updated in place layer by layer
+    for index, layer in enumerate(layers):
+        layer_step(layer, hidden, context, inputs[kinds[index]], cache.pairs[index], reads)
+    return rms_norm(hidden, drafter.norm)[None]
+
+
+def layer_step(layer: FusedLayer, hidden: torch.Tensor, context: torch.Tensor, inputs: PassInputs,
+               kv: torch.Tensor, reads: torch.Tensor) -> torch.Tensor:
+    """The block's hidden [b, H] through one drafter layer, in place; the context [T, H] (already
+    ``fc`` + ``hidden_norm``) only gives K/V. kv [2, 1, Hkv, C, D]: this layer's cache; ``inputs``:
+    rotary, slots and folded mask of the T + b rows; ``reads``: the attention's first masked and last
+    read slot."""
+    num_new, block = context.shape[0], hidden.shape[0]
+    rows, hq, hkv, d = num_new + block, layer.query_heads, layer.kv_heads, layer.head_dim
+    x = torch.cat((context, rms_norm(hidden, layer.input_norm)))  # [T + b, H]
+    heads = F.linear(x, layer.qkv_weight, layer.qkv_bias).view(rows, hq + 2 * hkv, d)
+    args = (heads, layer.q_norm, layer.k_norm, inputs, kv, hq, hkv)
+    folded = norm_rotate_heads(*args) if heads.is_cuda and triton_available() else norm_rotate_heads_torch(*args)
+    out = attend_folded(folded, kv[0, 0], kv[1, 0], inputs.mask, layer.scale, slots=reads)  # [Hkv, g*(T+b), D]
+    attended = out.reshape(hq, rows, d)[:, num_new:].transpose(0, 1).reshape(block, hq * d)  # the block's rows
+    add_projection_(hidden, attended, layer.o_proj)
+    add_projection_(hidden, silu_mul(F.linear(rms_norm(hidden, layer.post_norm), layer.gate_up_weight)),
+                    layer.down_proj)
+    return hidden
