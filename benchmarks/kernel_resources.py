@@ -30,7 +30,7 @@ from triton.compiler import ASTSource
 from workers.decoding import tree_triton
 from workers.decoding.params import TreeParams
 from workers.decoding.tree import build_tree
-from workers.models import attention_triton, fused_hybrid_triton, gdn, gdn_triton
+from workers.models import attention_triton, fused_hybrid_triton, gdn, gdn_triton, skinny_triton
 from workers.models.shapes import TARGETS
 
 # the most shared memory one block may use (opt-in), per compute capability (CUDA programming guide)
@@ -152,6 +152,15 @@ def launches(shape: dict, q: int = 257) -> list[Launch]:
                                               torch.zeros(shape["hidden_size"], dtype=bf16), 1e-6)
     with recording(fused_hybrid_triton, "_silu_mul_kernel", "MLP silu(gate) * up", out):
         fused_hybrid_triton.silu_mul(torch.zeros(q, 2 * shape["intermediate_size"], dtype=bf16))
+    hidden, inner = shape["hidden_size"], shape["intermediate_size"]
+    for rows, (width, depth), add, what in ((1, (2 * inner, hidden), False, "gate/up, 1 row"),
+                                            (16, (hidden, inner), True, "down + sum, 16 rows")):
+        family = f"skinny product ({what})"
+        for tiles in skinny_triton.TILES[skinny_triton.tile_class(rows, depth)]:  # tried in turn until one fits
+            with recording(skinny_triton, "_skinny_kernel", f"{family[:-1]}, {'x'.join(map(str, tiles))})", out):
+                skinny_triton.skinny_linear(torch.empty(rows, depth, dtype=bf16), torch.empty(width, depth, dtype=bf16),
+                                            out=torch.empty(rows, width, dtype=bf16) if add else None, tiles=tiles)
+            out[-1].family = family
     tree: list[Launch] = []  # DDTree's build at B = q - 1: one launch per depth, the merge, the outputs
     with (recording(tree_triton, "_tree_depth_kernel", "tree build: a depth", tree),
           recording(tree_triton, "_tree_merge_kernel", "tree build: the merge", tree),

@@ -37,10 +37,10 @@ from workers.models.fused_layer import (
     PassInputs,
     add_projection_,
     fused_layer_for,
+    norm_linear,
     norm_rotate_heads,
     norm_rotate_heads_torch,
     rms_norm,
-    silu_mul,
 )
 from workers.models.kernels import triton_available
 
@@ -99,6 +99,5 @@ def layer_step(layer: FusedLayer, hidden: torch.Tensor, context: torch.Tensor, i
     out = attend_folded(folded, kv[0, 0], kv[1, 0], inputs.mask, layer.scale, slots=reads)  # [Hkv, g*(T+b), D]
     attended = out.reshape(hq, rows, d)[:, num_new:].transpose(0, 1).reshape(block, hq * d)  # the block's rows
     add_projection_(hidden, attended, layer.o_proj)
-    add_projection_(hidden, silu_mul(F.linear(rms_norm(hidden, layer.post_norm), layer.gate_up_weight)),
-                    layer.down_proj)
+    add_projection_(hidden, norm_linear(hidden, layer.post_norm, layer.gate_up_weight, silu=True), layer.down_proj)
     return hidden

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.models.attention import attend_folded
-from workers.models.fused_layer import PassInputs, add_projection_, fuse_rows, silu_mul
+from workers.models.fused_layer import PassInputs, add_projection_, fuse_rows, norm_linear
 from workers.models.kernels import triton_available
 
 # transformers' RMSNorm classes computing (1 + weight) * (x * rsqrt(mean(x^2) + eps)) in float32
@@ -89,17 +89,12 @@ class HybridMLP:
 
     def __call__(self, residual: torch.Tensor) -> torch.Tensor:
         """residual [q, H] -> residual, updated in place."""
-        normed = one_plus_rms_norm(residual, self.post_norm)
         if self.gate_up_weight is None:  # MoE: the module (its router is data-dependent)
-            out = self.mlp(normed[None])
+            out = self.mlp(one_plus_rms_norm(residual, self.post_norm)[None])
             out = out[0] if isinstance(out, tuple) else out
             return residual.add_(out[0] if self.reduce is None else self.reduce(out[0]))
-        return self.dense_mlp(residual, normed)
-
-    def dense_mlp(self, residual: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
-        """residual += down_proj(silu(gate) * up) of the normed rows [q, H] (a dense MLP), in place."""
-        gate_up = F.linear(normed, self.gate_up_weight)  # [q, 2I]
-        return add_projection_(residual, silu_mul(gate_up), self.down_proj, self.reduce)
+        activated = norm_linear(residual, self.post_norm, self.gate_up_weight, silu=True, one_plus=True)  # [q, I]
+        return add_projection_(residual, activated, self.down_proj, self.reduce)
 
 
 class HybridGDNLayer:
@@ -170,7 +165,7 @@ class GatedAttentionLayer:
         inputs.slots."""
         q, hq, hkv, d = hidden.shape[1], self.query_heads, self.kv_heads, self.head_dim
         residual = hidden[0]  # [q, H]
-        heads = F.linear(one_plus_rms_norm(residual, self.input_norm), self.qkv_weight, self.qkv_bias)
+        heads = norm_linear(residual, self.input_norm, self.qkv_weight, self.qkv_bias, one_plus=True)
         heads = heads.view(q, 2 * hq + 2 * hkv, d)
         args = (heads, self.attn.q_norm, self.attn.k_norm, inputs, kv, hq, hkv)
         folded = norm_rotate_heads(*args) if heads.is_cuda and triton_available() else norm_rotate_heads_torch(*args)

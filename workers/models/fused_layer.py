@@ -118,14 +118,14 @@ class FusedLayer:
         inputs.slots."""
         q, hq, hkv, d = hidden.shape[1], self.query_heads, self.kv_heads, self.head_dim
         residual = hidden[0]  # [q, H]
-        heads = F.linear(rms_norm(residual, self.input_norm), self.qkv_weight, self.qkv_bias).view(q, hq + 2 * hkv, d)
+        heads = norm_linear(residual, self.input_norm, self.qkv_weight, self.qkv_bias).view(q, hq + 2 * hkv, d)
         args = (heads, self.q_norm, self.k_norm, inputs, kv, hq, hkv)
         folded = norm_rotate_heads(*args) if heads.is_cuda and triton_available() else norm_rotate_heads_torch(*args)
         out = attend_folded(folded, kv[0, 0, :, :attend], kv[1, 0, :, :attend], inputs.mask, self.scale,
                            slots=inputs.slots)
         add_projection_(residual, out.reshape(hq, q, d).transpose(0, 1).reshape(q, hq * d), self.o_proj, self.reduce)
-        gate_up = F.linear(rms_norm(residual, self.post_norm), self.gate_up_weight)
-        add_projection_(residual, silu_mul(gate_up), self.down_proj, self.reduce)
+        activated = norm_linear(residual, self.post_norm, self.gate_up_weight, silu=True)
+        add_projection_(residual, activated, self.down_proj, self.reduce)
         return hidden
 
 
@@ -171,6 +171,32 @@ def rms_norm(hidden: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return F.rms_norm(hidden, norm.weight.shape, norm.weight, norm.variance_epsilon)
 
 
+def norm_linear(x: torch.Tensor, norm: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                silu: bool = False, one_plus: bool = False) -> torch.Tensor:
+    """linear(norm(x), weight, bias) for x [q, H]; ``silu``: weight is [2I, H] (gate rows, then up) and the
+    result silu(gate) * up [q, I]. ``norm``: a plain RMSNorm, or Qwen3.5's (``one_plus``). On CUDA: the
+    norm kernel, the product (one row: ``skinny_triton``, see ``linear``) and the activation kernel."""
+    if one_plus:
+        from workers.models.fused_hybrid import one_plus_rms_norm
+
+        normed = one_plus_rms_norm(x, norm)
+    else:
+        normed = rms_norm(x, norm)
+    out = linear(normed, weight, bias)
+    return silu_mul(out) if silu else out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear of x [q, K]; one row on CUDA by ``skinny_triton`` (it streams the weight faster than
+    cuBLAS's one-row kernels: ``benchmarks/skinny_gemm.py``)."""
+    if bias is None and x.shape[0] == 1 and x.is_cuda and triton_available():
+        from workers.models import skinny_triton
+
+        if skinny_triton.takes(x, weight):
+            return skinny_triton.skinny_linear(x, weight)
+    return F.linear(x, weight, bias)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [q, 2I] (gate columns, then up) -> silu(gate) * up [q, I]: one kernel on CUDA."""
     if gate_up.is_cuda and triton_available():
@@ -187,7 +213,14 @@ def add_projection_(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear,
     the sum is the matrix product's epilogue, one kernel (``torch.addmm`` into a new tensor would
     first copy residual there: a copy per projection).
 
-    With ``reduce`` (tensor parallel) linear(x) is this rank's partial sum: reduced first, then added."""
+    With ``reduce`` (tensor parallel) linear(x) is this rank's partial sum: reduced first, then added.
+    From 2 to 16 rows on CUDA the sum is ``skinny_triton``'s epilogue (faster than cuBLAS's split-K there;
+    at one row cuBLAS is as fast or faster: ``benchmarks/skinny_gemm.py``)."""
+    if reduce is None and linear.bias is None and x.shape[0] > 1 and x.is_cuda and triton_available():
+        from workers.models import skinny_triton
+
+        if skinny_triton.takes(x, linear.weight):
+            return skinny_triton.skinny_linear(x, linear.weight, out=residual)
     if reduce is not None:
         return residual.add_(reduce(F.linear(x, linear.weight, linear.bias)))
     if linear.bias is not None:

@@ -218,3 +218,25 @@ def test_the_tree_build_kernels_equal_the_torch_build():
         for name in ("tokens", "depths", "parents", "visibility", "log_probs"):
             expected, actual = getattr(want, name), getattr(got, name)
             assert actual.dtype == expected.dtype and torch.equal(actual, expected), (name, params)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_the_few_rows_product_kernel_equals_the_matrix_product(dtype, rows):
+    """``skinny_triton``'s product of 1-16 rows, plain and summed into a residual in place (against
+    ``F.linear`` and ``addmm_``), over 100 weight rows (not a multiple of any tile's) and every tile choice."""
+    from workers.models.skinny_triton import TILES, skinny_linear, tile_class
+
+    g = torch.Generator().manual_seed(rows)
+    tolerance = {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 4e-3, "rtol": 4e-3}
+    x = (torch.randn(rows, 1024, generator=g) * 2).to(dtype)
+    weight = (torch.randn(100, 1024, generator=g) * 0.05).to(dtype)
+    for tiles in TILES[tile_class(rows, 1024)] + TILES[tile_class(rows, 5120)]:
+        tiles = (*tiles[:3], 1)  # (the interpreter has no pipeline)
+        torch.testing.assert_close(skinny_linear(x, weight, tiles=tiles), torch.nn.functional.linear(x, weight),
+                                   **tolerance)
+        residual = torch.randn(rows, 100, generator=g).to(dtype)
+        want = residual.clone().addmm_(x, weight.t())
+        got = skinny_linear(x, weight, out=residual, tiles=tiles)
+        assert got is residual
+        torch.testing.assert_close(residual, want, **tolerance)

@@ -1,0 +1,110 @@
+"""Matrix products of a few rows (a decode step, a short verify) as one Triton kernel (CUDA only).
+
+out [M, N] = x [M, K] @ weight [N, K]^T, or out += it in place, for M up to ``MOST_ROWS``. At so few
+rows a product only streams its weight: each program reads BN whole rows of it, K in steps of BK;
+one row of x is multiplied by a sum along K, more rows by a tensor-core product with x padded to 16
+rows (the padding costs nothing where the weight read is the time).
+
+Where it runs (``benchmarks/skinny_gemm.py`` times it against cuBLAS per projection of both model
+shapes; results in ``benchmarks/results/wide_passes_h200.md``): the plain product of one row (a
+decode step's q/k/v and gate/up), and the residual sum in place from 2 to 16 rows (a short verify's
+o_proj and down_proj, cuBLAS needing a split-K pass and a reduce there). Elsewhere cuBLAS is as
+fast or faster.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+MOST_ROWS = 16
+# (rows of the weight per program, K per step, warps, pipeline stages) per class of product, tried in
+# this order on each device until one compiles within its shared memory. The first are the fastest
+# measured on an H200 (``benchmarks/skinny_gemm.py --grid``): one row over K <= 4096 (Qwen3-8B's
+# q/k/v and gate/up) 16 x 512 x 8 warps, over K = 5120 (Qwen3.6-27B's) 16 x 256 x 4; no one choice is
+# within 10% of the best on both. (One row takes no shared memory: its loads feed no tensor-core
+# product, so they are not staged.) 2-16 rows (o_proj, down_proj): 64 x 256 x 4 x 4 (120 KB), or on
+# a GPU of less shared memory (an RTX A6000: 99 KB) 32 x 256 x 4 x 2 (24 KB;
+# ``benchmarks/kernel_resources.py``).
+TILES = {"one row, short": ((16, 512, 8, 4),),
+         "one row": ((16, 256, 4, 4),),
+         "few rows": ((64, 256, 4, 4), (32, 256, 4, 2))}
+STEP = 256  # K must be a multiple of every step (512: only where it divides K)
+_CHOSEN: dict[tuple[str, str], tuple[int, int, int, int]] = {}  # (device, class) -> tiles
+
+
+def tile_class(rows: int, inner: int) -> str:
+    """Which TILES a product of ``rows`` rows over ``inner`` (K) takes."""
+    if rows > 1:
+        return "few rows"
+    return "one row, short" if inner <= 4096 and inner % 512 == 0 else "one row"
+
+
+@triton.jit
+def _skinny_kernel(X, W, OUT, N, stride_x, stride_out, K: tl.constexpr, M: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, ADD: tl.constexpr):
+    """Program: output columns n = pid * BN.. of OUT [M, N] from W's rows n [., K] (contiguous rows; K a
+    multiple of BK) and X's M rows (ADD: added to what OUT holds)."""
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    cols = tl.arange(0, BK)
+    in_n = n < N
+    w_rows = W + n[:, None].to(tl.int64) * K + cols[None, :]  # [BN, BK] pointers to the first step
+    if M == 1:
+        acc = tl.zeros((BN,), dtype=tl.float32)
+        for step in range(K // BK):
+            w = tl.load(w_rows + step * BK, mask=in_n[:, None], other=0.0).to(tl.float32)
+            x = tl.load(X + step * BK + cols).to(tl.float32)
+            acc += tl.sum(w * x[None, :], axis=1)
+        out = OUT + n
+        keep = in_n
+    else:
+        m = tl.arange(0, 16)
+        x_rows = X + m[:, None] * stride_x + cols[None, :]
+        acc = tl.zeros((BN, 16), dtype=tl.float32)
+        for step in range(K // BK):
+            w = tl.load(w_rows + step * BK, mask=in_n[:, None], other=0.0)
+            x = tl.load(x_rows + step * BK, mask=m[:, None] < M, other=0.0)
+            acc = tl.dot(w, tl.trans(x), acc)
+        out = OUT + m[None, :] * stride_out + n[:, None]  # [BN, 16]
+        keep = in_n[:, None] & (m[None, :] < M)
+    if ADD:
+        acc += tl.load(out, mask=keep, other=0.0).to(tl.float32)
+    tl.store(out, acc.to(OUT.dtype.element_ty), mask=keep)
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel can run this product: CUDA, half precision, 1..MOST_ROWS rows (contiguous along
+    K), a contiguous weight whose K the steps divide."""
+    rows, inner = x.shape
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and 1 <= rows <= MOST_ROWS and x.stride(1) == 1 and weight.is_contiguous() and inner % STEP == 0)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+                  tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N]; with ``out`` [M, N] the product is added into it in place (and
+    returned). ``tiles``: (weight rows per program, K per step, warps, stages); None: TILES'. Callers
+    check ``takes`` first."""
+    rows, inner = x.shape
+    width = weight.shape[0]
+    add = out is not None
+    if out is None:
+        out = torch.empty(rows, width, dtype=x.dtype, device=x.device)
+    key = (str(x.device), tile_class(rows, inner))
+    choices = (tiles,) if tiles else (_CHOSEN[key],) if key in _CHOSEN else TILES[key[1]]
+    for index, (block_n, block_k, warps, stages) in enumerate(choices):
+        try:
+            _skinny_kernel[(triton.cdiv(width, block_n),)](
+                x, weight, out, width, x.stride(0), out.stride(0), K=inner, M=rows, BN=block_n, BK=block_k,
+                ADD=add, num_warps=warps, num_stages=stages,
+            )
+        except OutOfResources:  # raised when compiling, before any launch (``out`` untouched): the next tiles
+            if index + 1 < len(choices):
+                continue
+            raise
+        if tiles is None:
+            _CHOSEN[key] = choices[index]
+        return out
+    raise AssertionError("unreachable: the loop returns or raises")
