@@ -175,20 +175,20 @@ def norm_linear(x: torch.Tensor, norm: nn.Module, weight: torch.Tensor, bias: to
                 silu: bool = False, one_plus: bool = False) -> torch.Tensor:
     """linear(norm(x), weight, bias) for x [q, H]; ``silu``: weight is [2I, H] (gate rows, then up) and the
     result silu(gate) * up [q, I]. ``norm``: a plain RMSNorm, or Qwen3.5's (``one_plus``). On CUDA: the
-    norm kernel, the product (one row: ``skinny_triton``, see ``linear``) and the activation kernel."""
+    norm kernel, the product (one row: ``skinny_triton``, see ``product``) and the activation kernel."""
     if one_plus:
         from workers.models.fused_hybrid import one_plus_rms_norm
 
         normed = one_plus_rms_norm(x, norm)
     else:
         normed = rms_norm(x, norm)
-    out = linear(normed, weight, bias)
+    out = product(normed, weight, bias)
     return silu_mul(out) if silu else out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear of x [q, K]; one row on CUDA by ``skinny_triton`` (it streams the weight faster than
-    cuBLAS's one-row kernels: ``benchmarks/skinny_gemm.py``)."""
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [q, K]; one row on CUDA by ``skinny_triton`` (it streams the
+    weight faster than cuBLAS's one-row kernels: ``benchmarks/skinny_gemm.py``)."""
     if bias is None and x.shape[0] == 1 and x.is_cuda and triton_available():
         from workers.models import skinny_triton
 

@@ -24,18 +24,18 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize(("width", "inner"), [(6144, 4096), (1000, 5120)])
 @torch.inference_mode()
 def test_the_kernel_equals_cublas_through_the_layers_calls(rows, width, inner):
-    """``fused_layer.linear`` (the kernel at one row) and ``add_projection_`` (the kernel from 2 rows on)
+    """``fused_layer.product`` (the kernel at one row) and ``add_projection_`` (the kernel from 2 rows on)
     against cuBLAS's product and in-place sum, and the kernel itself at every row count with every
     tile choice."""
     from workers.models import skinny_triton
-    from workers.models.fused_layer import add_projection_, linear
+    from workers.models.fused_layer import add_projection_, product
 
     g = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, inner, device="cuda", generator=g).bfloat16() * 2
     weight = (torch.randn(width, inner, device="cuda", generator=g) * inner**-0.5).bfloat16()
     assert skinny_triton.takes(x, weight)
     want = F.linear(x, weight)
-    assert relative(linear(x, weight), want) < 1e-2
+    assert relative(product(x, weight), want) < 1e-2
     for tiles in skinny_triton.TILES[skinny_triton.tile_class(rows, inner)]:
         assert relative(skinny_triton.skinny_linear(x, weight, tiles=tiles), want) < 1e-2
     down = nn.Linear(width, inner, bias=False, device="cuda", dtype=torch.bfloat16)
