@@ -9,10 +9,12 @@ Where it runs (``benchmarks/skinny_gemm.py`` times it against cuBLAS per project
 shapes; results in ``benchmarks/results/wide_passes_h200.md``): the plain product of one row (a
 decode step's q/k/v and gate/up), and the residual sum in place from 2 to 16 rows (a short verify's
 o_proj and down_proj, cuBLAS needing a split-K pass and a reduce there). Elsewhere cuBLAS is as
-fast or faster.
+fast or faster. Only on the GPUs it was timed on (``FASTER_ON``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -32,6 +34,9 @@ TILES = {"one row, short": ((16, 512, 8, 4),),
          "one row": ((16, 256, 4, 4),),
          "few rows": ((64, 256, 4, 4), (32, 256, 4, 2))}
 STEP = 256  # K must be a multiple of every step (512: only where it divides K)
+# the compute capabilities where the kernel was measured faster than cuBLAS (an H200); elsewhere (an RTX
+# A6000 is 8.6) the layers keep cuBLAS until ``benchmarks/skinny_gemm.py`` shows a gain there
+FASTER_ON = frozenset({(9, 0)})
 _CHOSEN: dict[tuple[str, str], tuple[int, int, int, int]] = {}  # (device, class) -> tiles
 
 
@@ -75,11 +80,17 @@ def _skinny_kernel(X, W, OUT, N, stride_x, stride_out, K: tl.constexpr, M: tl.co
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernel can run this product: CUDA, half precision, 1..MOST_ROWS rows (contiguous along
-    K), a contiguous weight whose K the steps divide."""
+    """Whether the layers give this product to the kernel: CUDA on a GPU of FASTER_ON, half precision,
+    1..MOST_ROWS rows (contiguous along K), a contiguous weight whose K the steps divide."""
     rows, inner = x.shape
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and 1 <= rows <= MOST_ROWS and x.stride(1) == 1 and weight.is_contiguous() and inner % STEP == 0)
+            and 1 <= rows <= MOST_ROWS and x.stride(1) == 1 and weight.is_contiguous() and inner % STEP == 0
+            and capability(x.device) in FASTER_ON)
+
+
+@functools.cache
+def capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,

@@ -33,7 +33,7 @@ def test_the_kernel_equals_cublas_through_the_layers_calls(rows, width, inner):
     g = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, inner, device="cuda", generator=g).bfloat16() * 2
     weight = (torch.randn(width, inner, device="cuda", generator=g) * inner**-0.5).bfloat16()
-    assert skinny_triton.takes(x, weight)
+    assert skinny_triton.takes(x, weight) == (torch.cuda.get_device_capability() in skinny_triton.FASTER_ON)
     want = F.linear(x, weight)
     assert relative(product(x, weight), want) < 1e-2
     for tiles in skinny_triton.TILES[skinny_triton.tile_class(rows, inner)]:
@@ -47,12 +47,16 @@ def test_the_kernel_equals_cublas_through_the_layers_calls(rows, width, inner):
 
 
 @torch.inference_mode()
-def test_the_kernel_declines_what_it_cannot_run():
+def test_the_kernel_declines_what_it_cannot_run(monkeypatch):
     from workers.models import skinny_triton
 
+    monkeypatch.setattr(skinny_triton, "FASTER_ON", frozenset({torch.cuda.get_device_capability()}))
     weight = torch.zeros(64, 512, device="cuda", dtype=torch.bfloat16)
     assert not skinny_triton.takes(torch.zeros(17, 512, device="cuda", dtype=torch.bfloat16), weight)  # rows
     assert not skinny_triton.takes(torch.zeros(2, 512, device="cuda"), weight.float())  # float32
     narrow = torch.zeros(64, 320, device="cuda", dtype=torch.bfloat16)
     assert not skinny_triton.takes(torch.zeros(2, 320, device="cuda", dtype=torch.bfloat16), narrow)  # K
     assert not skinny_triton.takes(torch.zeros(2, 512, dtype=torch.bfloat16), weight.cpu())  # the CPU
+    assert skinny_triton.takes(torch.zeros(2, 512, device="cuda", dtype=torch.bfloat16), weight)
+    monkeypatch.setattr(skinny_triton, "FASTER_ON", frozenset())  # a GPU it was not timed on
+    assert not skinny_triton.takes(torch.zeros(2, 512, device="cuda", dtype=torch.bfloat16), weight)
