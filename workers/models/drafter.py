@@ -27,8 +27,9 @@ from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from workers.models.attention import NO_CUDNN, grouped_attention
-from workers.models.drafter_config import DrafterSpec, LayerAttention
-from workers.models.fused_drafter import fused_drafter_layers, fused_pass
+from workers.models.drafter_config import DrafterSpec, LayerAttention, attention_mask
+from workers.models.fused_drafter import fused_pass
+from workers.models.fused_layer import FusedLayer, fused_layer_for
 
 
 class DrafterCache:
@@ -196,7 +197,7 @@ class DFlashDrafter(nn.Module):
         instead of a host-sized slice. Leaves ``cache.length`` to the caller. The cache needs room for
         the block after the new context. ``fused``: run the layers as ``fused_drafter`` does, where
         every layer allows (False: op by op, as the benchmarks compare)."""
-        layers = fused_drafter_layers(self) if fused else None
+        layers = self.fused_layers() if fused else None
         if layers is not None:
             return fused_pass(self, layers, block_embeds, new_context, cache, length)
         num_new, block = new_context.shape[1], block_embeds.shape[1]
@@ -218,29 +219,16 @@ class DFlashDrafter(nn.Module):
             hidden = layer.block_step(hidden, block_rope, keys, values, masks[index])
         return self.norm(hidden)
 
+    def fused_layers(self) -> list[FusedLayer] | None:
+        """Every layer as a ``FusedLayer`` (made once, kept on the layer) for ``fused_drafter``'s pass, or
+        None when a layer is of another kind (DFlash2's) or shape."""
+        if not all(type(layer) is DrafterLayer for layer in self.layers):
+            return None
+        fused = [fused_layer_for(layer, self.spec.qwen3_config) for layer in self.layers]
+        return None if any(f is None for f in fused) else fused
+
     def propose(self, hidden: torch.Tensor, lm_head: nn.Module, anchor: torch.Tensor) -> torch.Tensor:
         """What a pass proposes from the block's draft rows ``hidden`` [n, H] (after the anchor): the
         draft logits [n, V] (the target's lm_head). ``anchor``: the block's first token [1] (DFlash2's
         selector reads it)."""
         return lm_head(hidden.to(lm_head.weight.device))
-
-
-def attention_mask(kind: LayerAttention, query_positions: torch.Tensor, key_positions: torch.Tensor,
-                   exists: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """The additive mask [1, 1, Q, K] of a layer that attends as ``kind``, from the queries' and keys'
-    absolute positions [Q], [K] and ``exists`` [Q, K] or [K]: the keys that are there for each query at
-    all (None: every key). None when the layer sees every key."""
-    if kind.sees_everything:
-        visible = exists
-    else:
-        visible = kind.visible(query_positions, key_positions)
-        if exists is not None:
-            visible = visible & exists
-    return None if visible is None else additive_mask(visible, query_positions.shape[0], dtype)
-
-
-def additive_mask(visible: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
-    """bool [Q, K] or [K] (True: read) -> additive float [1, 1, Q, K] of 0 and the dtype's minimum."""
-    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    mask = mask.masked_fill_(~visible, torch.finfo(dtype).min)
-    return mask.expand(rows, -1)[None, None] if mask.dim() == 1 else mask[None, None]

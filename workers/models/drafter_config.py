@@ -353,3 +353,24 @@ def _refuse_unsupported(raw: dict[str, Any], dflash: dict[str, Any], source: str
         raise CheckpointMismatchError(f"{source}: partial_rotary_factor {partial} is not implemented for drafters")
     if isinstance(rope, dict) and "mrope_section" in rope:
         raise CheckpointMismatchError(f"{source}: rope mrope_section is not implemented for drafters")
+
+
+def attention_mask(kind: LayerAttention, query_positions: torch.Tensor, key_positions: torch.Tensor,
+                   exists: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The additive mask [1, 1, Q, K] of a layer that attends as ``kind``, from the queries' and keys'
+    absolute positions [Q], [K] and ``exists`` [Q, K] or [K]: the keys that are there for each query at
+    all (None: every key). None when the layer sees every key."""
+    if kind.sees_everything:
+        visible = exists
+    else:
+        visible = kind.visible(query_positions, key_positions)
+        if exists is not None:
+            visible = visible & exists
+    return None if visible is None else additive_mask(visible, query_positions.shape[0], dtype)
+
+
+def additive_mask(visible: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """bool [Q, K] or [K] (True: read) -> additive float [1, 1, Q, K] of 0 and the dtype's minimum."""
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    mask = mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask.expand(rows, -1)[None, None] if mask.dim() == 1 else mask[None, None]

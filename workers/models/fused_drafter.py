@@ -32,11 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.models.attention import attend_folded
+from workers.models.drafter_config import attention_mask
 from workers.models.fused_layer import (
     FusedLayer,
     PassInputs,
     add_projection_,
-    fused_layer_for,
     norm_linear,
     norm_rotate_heads,
     norm_rotate_heads_torch,
@@ -45,25 +45,11 @@ from workers.models.fused_layer import (
 from workers.models.kernels import triton_available
 
 
-def fused_drafter_layers(drafter: nn.Module) -> list[FusedLayer] | None:
-    """Every layer of a plain DFlash drafter as a ``FusedLayer`` (made once, kept on the layer), or
-    None when any layer is of another kind (DFlash2) or shape."""
-    from workers.models.drafter import DrafterLayer
-
-    config = drafter.spec.qwen3_config
-    if not all(type(layer) is DrafterLayer for layer in drafter.layers):
-        return None
-    fused = [fused_layer_for(layer, config) for layer in drafter.layers]
-    return None if any(f is None for f in fused) else fused
-
-
 def fused_pass(drafter: nn.Module, layers: list[FusedLayer], block_embeds: torch.Tensor,
                new_context: torch.Tensor, cache, length: torch.Tensor) -> torch.Tensor:
     """``DFlashDrafter.forward_at`` through ``layers``: block_embeds [1, b, H] at positions length + T..,
     new_context [1, T, k*H] (taps of tokens at length..length+T-1), cache with room for T + b slots
     past length -> the final-normed block hidden states [1, b, H]. Leaves ``cache.length`` to the caller."""
-    from workers.models.drafter import attention_mask
-
     num_new, block = new_context.shape[1], block_embeds.shape[1]
     rows, device = num_new + block, block_embeds.device
     positions = length + torch.arange(rows, device=device)  # [T + b]: the context's, then the block's (= slots)

@@ -33,11 +33,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from workers.models.attention import attend_folded
-from workers.models.fused_layer import PassInputs, add_projection_, fuse_rows, norm_linear
+from workers.models.fused_layer import PassInputs, add_projection_, fuse_rows, norm_linear, one_plus_rms_norm
 from workers.models.kernels import triton_available
 
 # transformers' RMSNorm classes computing (1 + weight) * (x * rsqrt(mean(x^2) + eps)) in float32
@@ -45,15 +44,6 @@ ONE_PLUS_NORMS = frozenset({"Qwen3_5RMSNorm", "Qwen3_5TextRMSNorm", "Qwen3NextRM
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
-
-def one_plus_rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    """Qwen3.5's RMSNorm of the rows of x [..., N] with ``norm``'s weight [N] (and eps), in x's dtype."""
-    if x.is_cuda and triton_available():
-        from workers.models.fused_hybrid_triton import one_plus_rms_norm as kernel
-
-        return kernel(x, norm.weight, norm.eps)
-    normed = F.rms_norm(x.float(), norm.weight.shape, eps=norm.eps)
-    return (normed * (1.0 + norm.weight.float())).to(x.dtype)
 
 
 

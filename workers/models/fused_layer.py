@@ -171,17 +171,22 @@ def rms_norm(hidden: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return F.rms_norm(hidden, norm.weight.shape, norm.weight, norm.variance_epsilon)
 
 
+def one_plus_rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """Qwen3.5's RMSNorm of the rows of x [..., N] with ``norm``'s weight [N] (and eps), in x's dtype."""
+    if x.is_cuda and triton_available():
+        from workers.models.fused_hybrid_triton import one_plus_rms_norm as kernel
+
+        return kernel(x, norm.weight, norm.eps)
+    normed = F.rms_norm(x.float(), norm.weight.shape, eps=norm.eps)
+    return (normed * (1.0 + norm.weight.float())).to(x.dtype)
+
+
 def norm_linear(x: torch.Tensor, norm: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 silu: bool = False, one_plus: bool = False) -> torch.Tensor:
     """linear(norm(x), weight, bias) for x [q, H]; ``silu``: weight is [2I, H] (gate rows, then up) and the
     result silu(gate) * up [q, I]. ``norm``: a plain RMSNorm, or Qwen3.5's (``one_plus``). On CUDA: the
     norm kernel, the product (one row: ``skinny_triton``, see ``product``) and the activation kernel."""
-    if one_plus:
-        from workers.models.fused_hybrid import one_plus_rms_norm
-
-        normed = one_plus_rms_norm(x, norm)
-    else:
-        normed = rms_norm(x, norm)
+    normed = one_plus_rms_norm(x, norm) if one_plus else rms_norm(x, norm)
     out = product(normed, weight, bias)
     return silu_mul(out) if silu else out
 

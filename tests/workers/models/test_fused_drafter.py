@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from tests.workers.models.test_drafter_attention import CASES, drafter_for, inputs
-from workers.models.fused_drafter import fused_drafter_layers
 
 ROUNDS = (9, 1, 4, 2, 6, 1, 5, 3)  # a prompt of 9, then rounds committing 1..6 tokens
 
@@ -35,14 +34,14 @@ def passes(drafter, taps: torch.Tensor, block_embeds: torch.Tensor, fused: bool)
 def test_fused_pass_equals_the_op_by_op_pass_on_the_cpu():
     layers, change, _ = CASES["Qwen3.6-27B layout"]
     drafter = drafter_for(layers, change)
-    assert fused_drafter_layers(drafter) is not None  # the default pass is the fused one
+    assert drafter.fused_layers() is not None  # the default pass is the fused one
     taps, block_embeds = inputs(drafter, sum(ROUNDS))
     for got, want in zip(passes(drafter, taps, block_embeds, True), passes(drafter, taps, block_embeds, False)):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
 def test_dflash2_layers_keep_the_op_by_op_pass(tiny_dflash2):
-    assert fused_drafter_layers(tiny_dflash2.drafter) is None
+    assert tiny_dflash2.drafter.fused_layers() is None
 
 
 @pytest.mark.gpu
