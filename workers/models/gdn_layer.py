@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.models.fused_layer import add_projection_, fuse_rows
+from workers.models.fused_layer import add_projection_, fuse_rows, product
 from workers.models.gdn import (
     MAX_PATH,
     PendingLayer,
@@ -127,7 +127,7 @@ class GDNLayer:
         rule and one gated norm, out_proj."""
         mixer, q = self.mixer, hidden.shape[1]
         if self.projection is not None:  # views of one [q, C + H*dv + 2H] product: rows strided
-            conv_inputs, z, b, a = torch.split(F.linear(hidden[0], self.projection), self.splits, dim=-1)
+            conv_inputs, z, b, a = torch.split(product(hidden[0], self.projection), self.splits, dim=-1)
         else:
             conv_inputs, z, b, a = _project(mixer, hidden[0])
             z = z.reshape(q, -1)
