@@ -1,7 +1,9 @@
 """The products of a decode step and a short verify (1-16 rows) against their weight-read floor, with
 what surrounds them in a layer (the norm kernel before, the SiLU kernel after, or the residual sum in
 place): cuBLAS (``F.linear`` / ``addmm_``) against the project's Triton kernel
-(``workers.models.skinny_triton``), with its own tiles or (``--grid``) every choice of them.
+(``workers.models.skinny_triton``), with its own tiles or (``--grid``) every choice of them. At one
+row the kernel takes the norm inside its product (what ``fused_layer.norm_linear`` runs), so its
+column has one kernel fewer than cuBLAS's.
 
     python benchmarks/skinny_gemm.py [--shape qwen3-8b] [--rows 1,16] [--copies 8] [--grid]
 
@@ -89,9 +91,12 @@ def main() -> int:
                 product = F.linear(normed, weight)
                 return kernels.silu_mul(product) if silu else product
 
-            def fused(weight, tiles=None):  # the same norm and activation kernels around the product
+            def fused(weight, tiles=None):  # one row: the norm inside the product; more: the norm kernel
                 if around == "residual":
                     return skinny_linear(x, weight, out=out, tiles=tiles)
+                if rows == 1:
+                    product = skinny_linear(x, weight, tiles=tiles, norm=(norm_weight, 1e-6, hybrid))
+                    return kernels.silu_mul(product) if silu else product
                 normed = kernels.one_plus_rms_norm(x, norm_weight, 1e-6) if hybrid else kernels.rms_norm(
                     x, norm_weight, 1e-6)
                 product = skinny_linear(normed, weight, tiles=tiles)

@@ -91,7 +91,9 @@ class HybridGDNLayer:
     """The norms and MLP around a GDN layer's token mixer, which adds the residual itself
     (``GDNLayer``'s ``residual``: the sum in out_proj's epilogue); the runner calls
 
-        hidden = layer.finish_summed(mixer(layer.norm(hidden), residual=hidden))
+        hidden = layer.finish_summed(mixer(hidden, residual=hidden, input_norm=layer.input_norm))
+
+    (``norm`` is that input norm alone, for a mixer that does not take it.)
     """
 
     def __init__(self, layer: nn.Module, reduce: Reduce | None = None) -> None:

@@ -185,9 +185,17 @@ def norm_linear(x: torch.Tensor, norm: nn.Module, weight: torch.Tensor, bias: to
                 silu: bool = False, one_plus: bool = False) -> torch.Tensor:
     """linear(norm(x), weight, bias) for x [q, H]; ``silu``: weight is [2I, H] (gate rows, then up) and the
     result silu(gate) * up [q, I]. ``norm``: a plain RMSNorm, or Qwen3.5's (``one_plus``). On CUDA: the
-    norm kernel, the product (one row: ``skinny_triton``, see ``product``) and the activation kernel."""
-    normed = one_plus_rms_norm(x, norm) if one_plus else rms_norm(x, norm)
-    out = product(normed, weight, bias)
+    norm kernel, the product and the activation kernel; one row: the norm inside ``skinny_triton``'s
+    product (where it takes the product, as in ``product``), not rounded between the two."""
+    out = None
+    if bias is None and x.shape[0] == 1 and x.is_cuda and triton_available():
+        from workers.models import skinny_triton
+
+        if skinny_triton.takes(x, weight):
+            eps = norm.eps if one_plus else norm.variance_epsilon
+            out = skinny_triton.skinny_linear(x, weight, norm=(norm.weight, eps, one_plus))
+    if out is None:
+        out = product(one_plus_rms_norm(x, norm) if one_plus else rms_norm(x, norm), weight, bias)
     return silu_mul(out) if silu else out
 
 

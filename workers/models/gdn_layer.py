@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.models.fused_layer import add_projection_, fuse_rows, product
+from workers.models.fused_layer import add_projection_, fuse_rows, norm_linear, one_plus_rms_norm, product
 from workers.models.gdn import (
     MAX_PATH,
     PendingLayer,
@@ -86,16 +86,21 @@ class GDNLayer:
                 torch.zeros(self.state_shape, dtype=torch.float32, device=device))
 
     def __call__(self, hidden: torch.Tensor, shape: TreeShape, conv_window: torch.Tensor, state: torch.Tensor,
-                 commit: bool = False, residual: torch.Tensor | None = None):
+                 commit: bool = False, residual: torch.Tensor | None = None, input_norm: nn.Module | None = None):
         """hidden [1, q, H] (after the input norm) -> (mixed [1, q, H], PendingLayer or None).
 
         ``commit`` (the prompt: a chain kept whole) advances (conv_window, state) in place over all
         nodes and keeps nothing; otherwise the pass leaves the state alone and returns what
         ``commit`` needs to replay any accepted path. ``residual`` [1, q, H]: if given, mixed is
         residual itself, the mixer's output added in place (on CUDA by out_proj's matrix product's
-        epilogue).
+        epilogue). ``input_norm``: the layer's (1 + w) input norm, not yet taken (hidden is the residual
+        stream): taken here, at one row on CUDA inside the input projection's product.
         """
         mixer, q = self.mixer, hidden.shape[1]
+        if self.kernels and self.projection is not None:
+            return self._with_kernels(hidden, shape, conv_window, state, commit, residual, input_norm)
+        if input_norm is not None:
+            hidden = one_plus_rms_norm(hidden, input_norm)
         if self.kernels:
             return self._with_kernels(hidden, shape, conv_window, state, commit, residual)
         conv_inputs, z, b, a = _project(mixer, hidden[0])
@@ -121,13 +126,16 @@ class GDNLayer:
         mixed = self._reduced(mixer.out_proj(out.reshape(1, q, -1)))
         return (mixed if residual is None else residual.add_(mixed)), pending
 
-    def _with_kernels(self, hidden, shape: TreeShape, conv_window, state, commit: bool, residual):
-        """``__call__`` through the Triton kernels: one projection, one conv prologue (with the gates and
-        the extended conv inputs), the tree kernel (the gated norm in its epilogue) or the chunked delta
-        rule and one gated norm, out_proj."""
+    def _with_kernels(self, hidden, shape: TreeShape, conv_window, state, commit: bool, residual, input_norm=None):
+        """``__call__`` through the Triton kernels: one projection (``input_norm``, with the fused
+        projection only: the norm before it), one conv prologue (with the gates and the extended conv
+        inputs), the tree kernel (the gated norm in its epilogue) or the chunked delta rule and one gated
+        norm, out_proj."""
         mixer, q = self.mixer, hidden.shape[1]
         if self.projection is not None:  # views of one [q, C + H*dv + 2H] product: rows strided
-            conv_inputs, z, b, a = torch.split(product(hidden[0], self.projection), self.splits, dim=-1)
+            projected = (product(hidden[0], self.projection) if input_norm is None
+                         else norm_linear(hidden[0], input_norm, self.projection, one_plus=True))
+            conv_inputs, z, b, a = torch.split(projected, self.splits, dim=-1)
         else:
             conv_inputs, z, b, a = _project(mixer, hidden[0])
             z = z.reshape(q, -1)

@@ -10,6 +10,12 @@ shapes; results in ``benchmarks/results/wide_passes_h200.md``): the plain produc
 decode step's q/k/v and gate/up), and the residual sum in place from 2 to 16 rows (a short verify's
 o_proj and down_proj, cuBLAS needing a split-K pass and a reduce there). Elsewhere cuBLAS is as
 fast or faster. Only on the GPUs it was timed on (``FASTER_ON``).
+
+The one-row product also takes the RMS norm before it (``fused_layer.norm_linear``: a decode step's
+q/k/v and gate/up): the norm's scale is one number per row, so the kernel multiplies x by the norm's
+weight as it streams, sums x^2 beside it, and scales the sums at the end: one kernel, not two, and no
+reduction in front of the first weight load (a norm done first in each program was slower than the
+two kernels: ``benchmarks/results/wide_passes_h200.md``).
 """
 
 from __future__ import annotations
@@ -48,20 +54,31 @@ def tile_class(rows: int, inner: int) -> str:
 
 
 @triton.jit
-def _skinny_kernel(X, W, OUT, N, stride_x, stride_out, K: tl.constexpr, M: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, ADD: tl.constexpr):
+def _skinny_kernel(X, W, OUT, NORM_W, N, stride_x, stride_out, eps, K: tl.constexpr, M: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr):
     """Program: output columns n = pid * BN.. of OUT [M, N] from W's rows n [., K] (contiguous rows; K a
-    multiple of BK) and X's M rows (ADD: added to what OUT holds)."""
+    multiple of BK) and X's M rows (ADD: added to what OUT holds). NORM (one row): X's RMS norm with
+    weight NORM_W (1: w, 2: 1 + w) taken first, as a product by x * w and one scale at the end, so the
+    weight stream starts at once (the norm's reduction runs beside it, not before it)."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     cols = tl.arange(0, BK)
     in_n = n < N
     w_rows = W + n[:, None].to(tl.int64) * K + cols[None, :]  # [BN, BK] pointers to the first step
     if M == 1:
         acc = tl.zeros((BN,), dtype=tl.float32)
+        squares = tl.zeros((BK,), dtype=tl.float32)
         for step in range(K // BK):
             w = tl.load(w_rows + step * BK, mask=in_n[:, None], other=0.0).to(tl.float32)
             x = tl.load(X + step * BK + cols).to(tl.float32)
+            if NORM > 0:
+                squares += x * x
+                scale = tl.load(NORM_W + step * BK + cols).to(tl.float32)
+                if NORM == 2:
+                    scale += 1.0
+                x = x * scale
             acc += tl.sum(w * x[None, :], axis=1)
+        if NORM > 0:  # sum_k w[n,k] x[k] s w_k = s * sum_k w[n,k] (x[k] w_k), s = rsqrt(mean(x^2) + eps)
+            acc = acc * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
         out = OUT + n
         keep = in_n
     else:
@@ -94,13 +111,19 @@ def capability(device: torch.device) -> tuple[int, int]:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
-                  tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                  tiles: tuple[int, int, int, int] | None = None,
+                  norm: tuple[torch.Tensor, float, bool] | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N]; with ``out`` [M, N] the product is added into it in place (and
-    returned). ``tiles``: (weight rows per program, K per step, warps, stages); None: TILES'. Callers
-    check ``takes`` first."""
+    returned). ``tiles``: (weight rows per program, K per step, warps, stages); None: TILES'. ``norm``
+    (one row, no ``out``): (norm weight [K], eps, one_plus): the product of x's RMS norm, x * rsqrt(mean(x^2)
+    + eps) * w (one_plus: * (1 + w)), not rounded between norm and product. Callers check ``takes`` first."""
     rows, inner = x.shape
     width = weight.shape[0]
     add = out is not None
+    if norm is not None and (rows != 1 or add):
+        raise ValueError("skinny_linear: a norm is taken for one row without out= only")
+    norm_weight, eps, one_plus = norm if norm is not None else (x, 0.0, False)  # (x: an unread placeholder)
+    norm_kind = 0 if norm is None else 2 if one_plus else 1
     if out is None:
         out = torch.empty(rows, width, dtype=x.dtype, device=x.device)
     key = (str(x.device), tile_class(rows, inner))
@@ -108,8 +131,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
     for index, (block_n, block_k, warps, stages) in enumerate(choices):
         try:
             _skinny_kernel[(triton.cdiv(width, block_n),)](
-                x, weight, out, width, x.stride(0), out.stride(0), K=inner, M=rows, BN=block_n, BK=block_k,
-                ADD=add, num_warps=warps, num_stages=stages,
+                x, weight, out, norm_weight, width, x.stride(0), out.stride(0), eps, K=inner, M=rows, BN=block_n,
+                BK=block_k, ADD=add, NORM=norm_kind, num_warps=warps, num_stages=stages,
             )
         except OutOfResources:  # raised when compiling, before any launch (``out`` untouched): the next tiles
             if index + 1 < len(choices):

@@ -240,3 +240,29 @@ def test_the_few_rows_product_kernel_equals_the_matrix_product(dtype, rows):
         got = skinny_linear(x, weight, out=residual, tiles=tiles)
         assert got is residual
         torch.testing.assert_close(residual, want, **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("one_plus", [False, True])
+def test_the_one_row_product_takes_the_rms_norm_before_it(dtype, one_plus):
+    """``skinny_triton``'s one-row product with the RMS norm inside (x scaled by the norm's weight as it
+    streams, the rsqrt scale at the end) against the norm, then the product (float32 throughout), for
+    both one-row tile classes; and refused where it is not defined (more rows, a sum into ``out``)."""
+    from workers.models.skinny_triton import TILES, skinny_linear, tile_class
+
+    g = torch.Generator().manual_seed(int(one_plus))
+    x = (torch.randn(1, 1024, generator=g) * 3).to(dtype)
+    weight = (torch.randn(100, 1024, generator=g) * 0.05).to(dtype)
+    norm_weight = (torch.randn(1024, generator=g) * 0.2 + (0.0 if one_plus else 1.0)).to(dtype)
+    eps = 1e-6
+    normed = torch.nn.functional.rms_norm(x.float(), (1024,), eps=eps) * (norm_weight.float() + float(one_plus))
+    want = torch.nn.functional.linear(normed, weight.float())
+    tolerance = {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 4e-3, "rtol": 4e-3}
+    for tiles in TILES[tile_class(1, 1024)] + TILES[tile_class(1, 5120)]:
+        got = skinny_linear(x, weight, tiles=(*tiles[:3], 1), norm=(norm_weight, eps, one_plus))
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, **tolerance)
+    with pytest.raises(ValueError, match="one row"):
+        skinny_linear(x.expand(2, -1), weight, norm=(norm_weight, eps, one_plus))
+    with pytest.raises(ValueError, match="one row"):
+        skinny_linear(x, weight, out=torch.zeros(1, 100, dtype=dtype), norm=(norm_weight, eps, one_plus))

@@ -60,3 +60,28 @@ def test_the_kernel_declines_what_it_cannot_run(monkeypatch):
     assert skinny_triton.takes(torch.zeros(2, 512, device="cuda", dtype=torch.bfloat16), weight)
     monkeypatch.setattr(skinny_triton, "FASTER_ON", frozenset())  # a GPU it was not timed on
     assert not skinny_triton.takes(torch.zeros(2, 512, device="cuda", dtype=torch.bfloat16), weight)
+
+
+@pytest.mark.parametrize("one_plus", [False, True])
+@pytest.mark.parametrize(("width", "inner"), [(6144, 4096), (34816, 5120)])
+@torch.inference_mode()
+def test_the_norm_inside_the_one_row_product_equals_norm_then_product(one_plus, width, inner):
+    """``fused_layer.norm_linear`` at one row (the norm inside the kernel's product where it takes it)
+    against transformers' norm module, then cuBLAS, for Qwen3's plain norm and Qwen3.5's (1 + w) one,
+    with the SiLU product after it too; at two rows (the norm kernel, then cuBLAS) as before."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    from workers.models.fused_layer import norm_linear
+
+    g = torch.Generator(device="cuda").manual_seed(width)
+    norm = (Qwen3_5RMSNorm if one_plus else Qwen3RMSNorm)(inner, eps=1e-6).to("cuda", torch.bfloat16)
+    norm.weight.copy_(torch.randn(inner, device="cuda", generator=g) * 0.1 + (0.0 if one_plus else 1.0))
+    weight = (torch.randn(width, inner, device="cuda", generator=g) * inner**-0.5).bfloat16()
+    for rows in (1, 2):
+        x = torch.randn(rows, inner, device="cuda", generator=g).bfloat16() * 3
+        want = F.linear(norm(x), weight)
+        assert relative(norm_linear(x, norm, weight, one_plus=one_plus), want) < 1e-2
+        inner_half = width // 2
+        activated = F.silu(want[:, :inner_half].float()) * want[:, inner_half:].float()
+        assert relative(norm_linear(x, norm, weight, silu=True, one_plus=one_plus), activated) < 2e-2

@@ -157,11 +157,15 @@ class Loop:
         """One decoder layer through transformers' own modules (linear attention: our tree form)."""
         state = self.state
         block = self.gdn_blocks.get(i)  # the fused norms and MLP around a GDN mixer, if any
-        mixed = block.norm(hidden) if block is not None else layer.input_layernorm(hidden)
         if self.layer_types[i] == "linear_attention":
-            # with the fused block the mixer adds its output to hidden in place (in out_proj's epilogue)
-            residual = hidden if block is not None else None
-            mixed, pending = self.gdn[i](mixed, on["tree"], state.conv_windows[i], state.states[i], commit, residual)
+            # with the fused block the mixer takes the input norm (at one row inside its projection) and
+            # adds its output to hidden in place (in out_proj's epilogue)
+            if block is not None:
+                mixed, pending = self.gdn[i](hidden, on["tree"], state.conv_windows[i], state.states[i], commit,
+                                             residual=hidden, input_norm=block.input_norm)
+            else:
+                mixed, pending = self.gdn[i](layer.input_layernorm(hidden), on["tree"], state.conv_windows[i],
+                                             state.states[i], commit)
             if pending is not None:
                 state.pending[i] = pending
                 state.state_bytes += pending.nbytes()
@@ -170,7 +174,8 @@ class Loop:
         else:
             kwargs = {self._cache_kwarg: state.kv}
             mixed = self._reduced(layer.self_attn(
-                hidden_states=mixed, position_embeddings=(on["cos"], on["sin"]), attention_mask=on["mask"], **kwargs
+                hidden_states=layer.input_layernorm(hidden), position_embeddings=(on["cos"], on["sin"]),
+                attention_mask=on["mask"], **kwargs,
             )[0])
         hidden = hidden + mixed
         mlp_out = layer.mlp(layer.post_attention_layernorm(hidden))
