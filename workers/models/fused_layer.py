@@ -227,9 +227,10 @@ def add_projection_(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear,
     first copy residual there: a copy per projection).
 
     With ``reduce`` (tensor parallel) linear(x) is this rank's partial sum: reduced first, then added.
-    From 2 to 16 rows on CUDA the sum is ``skinny_triton``'s epilogue (faster than cuBLAS's split-K there;
-    at one row cuBLAS is as fast or faster: ``benchmarks/skinny_gemm.py``)."""
-    if reduce is None and linear.bias is None and x.shape[0] > 1 and x.is_cuda and triton_available():
+    From 1 to 16 rows on CUDA the sum is ``skinny_triton``'s epilogue (cuBLAS runs split-K and a
+    reduce there; the kernel's one-row form splits K too, the last split adding into the residual:
+    ``benchmarks/skinny_gemm.py``)."""
+    if reduce is None and linear.bias is None and x.is_cuda and triton_available():
         from workers.models import skinny_triton
 
         if skinny_triton.takes(x, linear.weight):

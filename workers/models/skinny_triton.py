@@ -46,6 +46,36 @@ FASTER_ON = frozenset({(9, 0)})
 _CHOSEN: dict[tuple[str, str], tuple[int, int, int, int]] = {}  # (device, class) -> tiles
 
 
+def split_count(rows: int, inner: int, tiles: int, step: int, add: bool, norm: bool, device: torch.device) -> int:
+    """Splits of K for a product: one row summed into ``out`` (a decode step's o_proj and down_proj,
+    whose few wide weight rows make too few programs to stream at full speed: cuBLAS splits K there
+    too) takes the fewest of 2, 4, 8 that make 4 programs a multiprocessor, each keeping at least 4
+    steps; the rest, one (``benchmarks/skinny_gemm.py --grid`` times every count)."""
+    if rows != 1 or not add or norm:
+        return 1
+    enough = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    count = 1
+    while count < 8 and tiles * count < enough and inner % (2 * count * step) == 0 and inner // (2 * count * step) >= 4:
+        count *= 2
+    return count
+
+
+# (device) -> int32 counts of the splits arrived per output tile, kept at 0 between calls (the last split
+# resets its tile's); made outside a graph capture, so that a captured pass and eager calls share them
+MOST_TILES = 1 << 14
+_ARRIVED: dict[str, torch.Tensor] = {}
+
+
+def _arrival_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The device's split counts, or None (no split then): more tiles than MOST_TILES, or first asked
+    for inside a graph capture (an allocation there would belong to that graph's memory pool)."""
+    counts = _ARRIVED.get(str(device))
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if counts is None and tiles <= MOST_TILES and not capturing:
+        counts = _ARRIVED[str(device)] = torch.zeros(MOST_TILES, dtype=torch.int32, device=device)
+    return counts if tiles <= MOST_TILES else None
+
+
 def tile_class(rows: int, inner: int) -> str:
     """Which TILES a product of ``rows`` rows over ``inner`` (K) takes."""
     if rows > 1:
@@ -54,22 +84,29 @@ def tile_class(rows: int, inner: int) -> str:
 
 
 @triton.jit
-def _skinny_kernel(X, W, OUT, NORM_W, N, stride_x, stride_out, eps, K: tl.constexpr, M: tl.constexpr,
-                   BN: tl.constexpr, BK: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr):
-    """Program: output columns n = pid * BN.. of OUT [M, N] from W's rows n [., K] (contiguous rows; K a
-    multiple of BK) and X's M rows (ADD: added to what OUT holds). NORM (one row): X's RMS norm with
-    weight NORM_W (1: w, 2: 1 + w) taken first, as a product by x * w and one scale at the end, so the
-    weight stream starts at once (the norm's reduction runs beside it, not before it)."""
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
+def _skinny_kernel(X, W, OUT, NORM_W, WORK, ARRIVED, N, stride_x, stride_out, eps, K: tl.constexpr,
+                   M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr,
+                   SPLITS: tl.constexpr):
+    """Program (tile, split): output columns n = tile * BN.. of OUT [M, N] from W's rows n [., K]
+    (contiguous rows) and X's M rows over the split's K / SPLITS columns (a multiple of BK); ADD: added
+    to what OUT holds. NORM (one row): X's RMS norm with weight NORM_W (1: w, 2: 1 + w) taken first,
+    as a product by x * w and one scale at the end, so the weight stream starts at once (the norm's
+    reduction runs beside it, not before it). SPLITS > 1: each split writes its float32 sums to WORK
+    [SPLITS, 16, N] and counts itself in ARRIVED[tile]; the last to arrive adds the splits in their
+    order (the result does not depend on which was last) into OUT and sets the count back to 0."""
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    n = tile * BN + tl.arange(0, BN)
     cols = tl.arange(0, BK)
     in_n = n < N
-    w_rows = W + n[:, None].to(tl.int64) * K + cols[None, :]  # [BN, BK] pointers to the first step
+    begin = split * (K // SPLITS)
+    w_rows = W + n[:, None].to(tl.int64) * K + begin + cols[None, :]  # [BN, BK] pointers to the first step
     if M == 1:
         acc = tl.zeros((BN,), dtype=tl.float32)
         squares = tl.zeros((BK,), dtype=tl.float32)
-        for step in range(K // BK):
+        for step in range(K // SPLITS // BK):
             w = tl.load(w_rows + step * BK, mask=in_n[:, None], other=0.0).to(tl.float32)
-            x = tl.load(X + step * BK + cols).to(tl.float32)
+            x = tl.load(X + begin + step * BK + cols).to(tl.float32)
             if NORM > 0:
                 squares += x * x
                 scale = tl.load(NORM_W + step * BK + cols).to(tl.float32)
@@ -81,19 +118,33 @@ def _skinny_kernel(X, W, OUT, NORM_W, N, stride_x, stride_out, eps, K: tl.conste
             acc = acc * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
         out = OUT + n
         keep = in_n
+        part = WORK + n  # split 0's sums; split s's at + s * 16 * N
     else:
         m = tl.arange(0, 16)
-        x_rows = X + m[:, None] * stride_x + cols[None, :]
+        x_rows = X + m[:, None] * stride_x + begin + cols[None, :]
         acc = tl.zeros((BN, 16), dtype=tl.float32)
-        for step in range(K // BK):
+        for step in range(K // SPLITS // BK):
             w = tl.load(w_rows + step * BK, mask=in_n[:, None], other=0.0)
             x = tl.load(x_rows + step * BK, mask=m[:, None] < M, other=0.0)
             acc = tl.dot(w, tl.trans(x), acc)
         out = OUT + m[None, :] * stride_out + n[:, None]  # [BN, 16]
         keep = in_n[:, None] & (m[None, :] < M)
-    if ADD:
-        acc += tl.load(out, mask=keep, other=0.0).to(tl.float32)
-    tl.store(out, acc.to(OUT.dtype.element_ty), mask=keep)
+        part = WORK + m[None, :] * N + n[:, None]
+    if SPLITS > 1:
+        tl.store(part + split * 16 * N, acc, mask=keep)
+        tl.debug_barrier()  # every thread's sums stored before the count says so (the atomic releases them)
+        if tl.atomic_add(ARRIVED + tile, 1, sem="acq_rel") == SPLITS - 1:
+            acc = tl.load(part, mask=keep, other=0.0, cache_modifier=".cg")  # from L2: other SMs wrote them
+            for other in tl.static_range(1, SPLITS):
+                acc += tl.load(part + other * 16 * N, mask=keep, other=0.0, cache_modifier=".cg")
+            if ADD:
+                acc += tl.load(out, mask=keep, other=0.0).to(tl.float32)
+            tl.store(out, acc.to(OUT.dtype.element_ty), mask=keep)
+            tl.atomic_xchg(ARRIVED + tile, 0)  # ready for the next call (a graph replays it as it is)
+    else:
+        if ADD:
+            acc += tl.load(out, mask=keep, other=0.0).to(tl.float32)
+        tl.store(out, acc.to(OUT.dtype.element_ty), mask=keep)
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -112,16 +163,17 @@ def capability(device: torch.device) -> tuple[int, int]:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
                   tiles: tuple[int, int, int, int] | None = None,
-                  norm: tuple[torch.Tensor, float, bool] | None = None) -> torch.Tensor:
+                  norm: tuple[torch.Tensor, float, bool] | None = None, splits: int | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N]; with ``out`` [M, N] the product is added into it in place (and
     returned). ``tiles``: (weight rows per program, K per step, warps, stages); None: TILES'. ``norm``
     (one row, no ``out``): (norm weight [K], eps, one_plus): the product of x's RMS norm, x * rsqrt(mean(x^2)
-    + eps) * w (one_plus: * (1 + w)), not rounded between norm and product. Callers check ``takes`` first."""
+    + eps) * w (one_plus: * (1 + w)), not rounded between norm and product. ``splits`` of K (None:
+    ``split_count``'s). Callers check ``takes`` first."""
     rows, inner = x.shape
     width = weight.shape[0]
     add = out is not None
-    if norm is not None and (rows != 1 or add):
-        raise ValueError("skinny_linear: a norm is taken for one row without out= only")
+    if norm is not None and (rows != 1 or add or (splits or 1) > 1):
+        raise ValueError("skinny_linear: a norm is taken for one row without out= or splits only")
     norm_weight, eps, one_plus = norm if norm is not None else (x, 0.0, False)  # (x: an unread placeholder)
     norm_kind = 0 if norm is None else 2 if one_plus else 1
     if out is None:
@@ -129,10 +181,19 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
     key = (str(x.device), tile_class(rows, inner))
     choices = (tiles,) if tiles else (_CHOSEN[key],) if key in _CHOSEN else TILES[key[1]]
     for index, (block_n, block_k, warps, stages) in enumerate(choices):
+        tile_count = triton.cdiv(width, block_n)
+        count = splits or split_count(rows, inner, tile_count, block_k, add, norm is not None, x.device)
+        if inner % (count * block_k):
+            raise ValueError(f"skinny_linear: {count} splits of K = {inner} in steps of {block_k}")
+        arrived = _arrival_counts(x.device, tile_count) if count > 1 else None
+        if arrived is None:
+            count = 1
+        work = torch.empty(count, 16, width, dtype=torch.float32, device=x.device) if count > 1 else out
         try:
-            _skinny_kernel[(triton.cdiv(width, block_n),)](
-                x, weight, out, norm_weight, width, x.stride(0), out.stride(0), eps, K=inner, M=rows, BN=block_n,
-                BK=block_k, ADD=add, NORM=norm_kind, num_warps=warps, num_stages=stages,
+            _skinny_kernel[(tile_count, count)](
+                x, weight, out, norm_weight, work, arrived if arrived is not None else out, width, x.stride(0),
+                out.stride(0), eps, K=inner, M=rows, BN=block_n, BK=block_k, ADD=add, NORM=norm_kind,
+                SPLITS=count, num_warps=warps, num_stages=stages,
             )
         except OutOfResources:  # raised when compiling, before any launch (``out`` untouched): the next tiles
             if index + 1 < len(choices):

@@ -266,3 +266,31 @@ def test_the_one_row_product_takes_the_rms_norm_before_it(dtype, one_plus):
         skinny_linear(x.expand(2, -1), weight, norm=(norm_weight, eps, one_plus))
     with pytest.raises(ValueError, match="one row"):
         skinny_linear(x, weight, out=torch.zeros(1, 100, dtype=dtype), norm=(norm_weight, eps, one_plus))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_few_rows_product_split_along_k_equals_the_matrix_product(dtype, rows):
+    """``skinny_triton``'s product with K split over programs (each split's float32 sums written aside,
+    the last split to arrive adding them in order into the output, then zeroing its tile's count):
+    plain and summed into a residual, 2 and 4 splits, twice in a row (the counts must be back at 0);
+    and a split count that does not divide K into whole steps refused by name."""
+    from workers.models import skinny_triton
+    from workers.models.skinny_triton import skinny_linear
+
+    g = torch.Generator().manual_seed(10 + rows)
+    tolerance = {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 4e-3, "rtol": 4e-3}
+    x = (torch.randn(rows, 1024, generator=g) * 2).to(dtype)
+    weight = (torch.randn(100, 1024, generator=g) * 0.05).to(dtype)
+    tiles = (16, 256, 4, 1)
+    for splits in (2, 4):
+        for _ in range(2):
+            torch.testing.assert_close(skinny_linear(x, weight, tiles=tiles, splits=splits),
+                                       torch.nn.functional.linear(x, weight), **tolerance)
+            residual = torch.randn(rows, 100, generator=g).to(dtype)
+            want = residual.clone().addmm_(x, weight.t())
+            assert skinny_linear(x, weight, out=residual, tiles=tiles, splits=splits) is residual
+            torch.testing.assert_close(residual, want, **tolerance)
+            assert not skinny_triton._ARRIVED["cpu"].any()
+    with pytest.raises(ValueError, match="8 splits of K = 1024"):
+        skinny_linear(x, weight, tiles=tiles, splits=8)

@@ -85,3 +85,34 @@ def test_the_norm_inside_the_one_row_product_equals_norm_then_product(one_plus, 
         inner_half = width // 2
         activated = F.silu(want[:, :inner_half].float()) * want[:, inner_half:].float()
         assert relative(norm_linear(x, norm, weight, silu=True, one_plus=one_plus), activated) < 2e-2
+
+
+@pytest.mark.parametrize(("width", "inner"), [(4096, 12288), (5120, 6144)])
+@torch.inference_mode()
+def test_the_split_one_row_sum_is_exact_run_to_run_and_replays_in_a_graph(width, inner):
+    """The one-row residual sum split along K (a decode step's o_proj / down_proj): against cuBLAS's
+    addmm_ at every split count, bit for bit the same on every call (the splits are added in their
+    order, whichever arrives last), and the same again replayed from a CUDA graph."""
+    from workers.models import skinny_triton
+    from workers.models.fused_layer import add_projection_
+
+    g = torch.Generator(device="cuda").manual_seed(width)
+    down = nn.Linear(inner, width, bias=False, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, inner, device="cuda", generator=g).bfloat16()
+    start = torch.randn(1, width, device="cuda", generator=g).bfloat16()
+    want = start.clone().addmm_(x, down.weight.t())
+    for splits in (1, 2, 4, 8):
+        got = skinny_triton.skinny_linear(x, down.weight, out=start.clone(), splits=splits)
+        assert relative(got, want) < 1e-2, splits
+    first = add_projection_(start.clone(), x, down)
+    assert relative(first, want) < 1e-2
+    for _ in range(5):
+        assert torch.equal(add_projection_(start.clone(), x, down), first)
+    residual = start.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        add_projection_(residual, x, down)
+    for _ in range(3):
+        residual.copy_(start)
+        graph.replay()
+        assert torch.equal(residual, first)
