@@ -154,12 +154,14 @@ def launches(shape: dict, q: int = 257) -> list[Launch]:
         fused_hybrid_triton.silu_mul(torch.zeros(q, 2 * shape["intermediate_size"], dtype=bf16))
     hidden, inner = shape["hidden_size"], shape["intermediate_size"]
     for rows, (width, depth), add, what in ((1, (2 * inner, hidden), False, "gate/up, 1 row"),
+                                            (1, (hidden, inner), True, "down + sum, 1 row, K split"),
                                             (16, (hidden, inner), True, "down + sum, 16 rows")):
         family = f"skinny product ({what})"
         for tiles in skinny_triton.TILES[skinny_triton.tile_class(rows, depth)]:  # tried in turn until one fits
             with recording(skinny_triton, "_skinny_kernel", f"{family[:-1]}, {'x'.join(map(str, tiles))})", out):
                 skinny_triton.skinny_linear(torch.empty(rows, depth, dtype=bf16), torch.empty(width, depth, dtype=bf16),
-                                            out=torch.empty(rows, width, dtype=bf16) if add else None, tiles=tiles)
+                                            out=torch.empty(rows, width, dtype=bf16) if add else None, tiles=tiles,
+                                            splits=2 if "split" in what else None)
             out[-1].family = family
     tree: list[Launch] = []  # DDTree's build at B = q - 1: one launch per depth, the merge, the outputs
     with (recording(tree_triton, "_tree_depth_kernel", "tree build: a depth", tree),

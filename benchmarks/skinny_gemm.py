@@ -3,7 +3,8 @@ what surrounds them in a layer (the norm kernel before, the SiLU kernel after, o
 place): cuBLAS (``F.linear`` / ``addmm_``) against the project's Triton kernel
 (``workers.models.skinny_triton``), with its own tiles or (``--grid``) every choice of them. At one
 row the kernel takes the norm inside its product (what ``fused_layer.norm_linear`` runs), so its
-column has one kernel fewer than cuBLAS's.
+column has one kernel fewer than cuBLAS's; a one-row residual sum splits K (``--grid``: every count of
+splits with every choice of tiles).
 
     python benchmarks/skinny_gemm.py [--shape qwen3-8b] [--rows 1,16] [--copies 8] [--grid]
 
@@ -91,9 +92,9 @@ def main() -> int:
                 product = F.linear(normed, weight)
                 return kernels.silu_mul(product) if silu else product
 
-            def fused(weight, tiles=None):  # one row: the norm inside the product; more: the norm kernel
+            def fused(weight, tiles=None, splits=None):  # one row: the norm inside the product; more: the norm kernel
                 if around == "residual":
-                    return skinny_linear(x, weight, out=out, tiles=tiles)
+                    return skinny_linear(x, weight, out=out, tiles=tiles, splits=splits)
                 if rows == 1:
                     product = skinny_linear(x, weight, tiles=tiles, norm=(norm_weight, 1e-6, hybrid))
                     return kernels.silu_mul(product) if silu else product
@@ -105,17 +106,20 @@ def main() -> int:
             turn = itertools.cycle(weights)
             baseline = replay_us(lambda: unfused(next(turn)))
             timed = []
-            for tiles in GRID if args.grid else (None,):
+            split_counts = (1, 2, 4, 8) if args.grid and around == "residual" and rows == 1 else (None,)
+            for tiles, splits in itertools.product(GRID if args.grid else (None,), split_counts):
                 try:
-                    timed.append((replay_us(lambda t=tiles: fused(next(turn), t), reps=5), tiles))
-                except OutOfResources:
+                    us = replay_us(lambda t=tiles, c=splits: fused(next(turn), t, c), reps=5)
+                except (OutOfResources, ValueError):  # ValueError: the splits do not divide K into whole steps
                     continue
+                timed.append((us, tiles if splits is None else (*tiles, f"{splits} splits")))
             timed.sort(key=lambda pair: pair[0])
             best_us, best = timed[0]
+            best_tiles, best_splits = (best, None) if best is None or len(best) == 4 else (best[:4], int(best[4][0]))
             kept = out.clone()
             want = unfused(weights[0]).float()
             out.copy_(kept)
-            got = fused(weights[0], best).float()
+            got = fused(weights[0], best_tiles, best_splits).float()
             diff = ((got - want).norm() / want.norm()).item()
             others = ", ".join(f"{us:.1f} {t}" for us, t in timed[1:3])
             print(f"{name:>10} {width:>6} {inner:>6} {rows:>3} {around:>10} {floor:>9.1f} {baseline:>8.1f} "
