@@ -1,7 +1,7 @@
 """Qwen3.6-27B's weight matrix products alone, against the bf16 rate floor: how far cuBLAS is from it
 at the verify widths, and whether the residual add, the weight layout or the width changes that.
 
-    python benchmarks/projection_gemms.py [--part epilogue,layout,widths]
+    python benchmarks/projection_gemms.py [--part epilogue,layout,widths] [--shape qwen3.6-27b]
 
 Random bf16 operands at the model's sizes (hidden 5120, MLP 17408, 6144-wide GDN / attention output
 projections), one GPU. Each time is the median of CUDA graph replays of 20 back-to-back calls. The
@@ -28,8 +28,9 @@ import triton.language as tl
 from forward_anatomy import replay_us  # a sibling script: benchmarks/ is on sys.path
 
 from workers.models.fused_hybrid_triton import one_plus_rms_norm
+from workers.models.shapes import target_config
 
-HIDDEN, MLP, HEADS_OUT = 5120, 17408, 6144
+HIDDEN, MLP, HEADS_OUT = 5120, 17408, 6144  # Qwen3.6-27B's; ``--shape`` sets another model's
 
 
 @triton.jit
@@ -135,7 +136,12 @@ def split_table(rate: float) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", default="epilogue,layout,widths,split")
+    parser.add_argument("--shape", default="qwen3.6-27b", help="the model whose projection sizes are timed")
     args = parser.parse_args()
+    global HIDDEN, MLP, HEADS_OUT
+    config = target_config(args.shape)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    HIDDEN, MLP, HEADS_OUT = config.hidden_size, config.intermediate_size, config.num_attention_heads * head_dim
     torch.manual_seed(0)
     square = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     rate = 2 * 8192**3 / (replay_us(lambda: square @ square, 5, 5) / 1e6)
