@@ -157,7 +157,7 @@ def launches(shape: dict, q: int = 257) -> list[Launch]:
                                             (1, (hidden, inner), True, "down + sum, 1 row, K split"),
                                             (16, (hidden, inner), True, "down + sum, 16 rows")):
         family = f"skinny product ({what})"
-        for tiles in skinny_triton.TILES[skinny_triton.tile_class(rows, depth)]:  # tried in turn until one fits
+        for tiles in skinny_triton.TILES[skinny_triton.tile_class(rows, depth, width, add)]:  # tried in turn
             with recording(skinny_triton, "_skinny_kernel", f"{family[:-1]}, {'x'.join(map(str, tiles))})", out):
                 skinny_triton.skinny_linear(torch.empty(rows, depth, dtype=bf16), torch.empty(width, depth, dtype=bf16),
                                             out=torch.empty(rows, width, dtype=bf16) if add else None, tiles=tiles,

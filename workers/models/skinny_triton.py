@@ -31,33 +31,35 @@ MOST_ROWS = 16
 # (rows of the weight per program, K per step, warps, pipeline stages) per class of product, tried in
 # this order on each device until one compiles within its shared memory. The first are the fastest
 # measured on an H200 (``benchmarks/skinny_gemm.py --grid``): one row over K <= 4096 (Qwen3-8B's
-# q/k/v and gate/up) 16 x 512 x 8 warps, over K = 5120 (Qwen3.6-27B's) 16 x 256 x 4; no one choice is
-# within 10% of the best on both. (One row takes no shared memory: its loads feed no tensor-core
-# product, so they are not staged.) 2-16 rows (o_proj, down_proj): 64 x 256 x 4 x 4 (120 KB), or on
-# a GPU of less shared memory (an RTX A6000: 99 KB) 32 x 256 x 4 x 2 (24 KB;
+# q/k/v and gate/up) 16 x 512 x 8 warps, over K = 5120 (Qwen3.6-27B's) 16 x 256 x 4, and for the
+# widest weight (its gate/up, 34816 rows) 32 x 256 x 4: with the norm inside, 16-row programs re-read
+# x and the norm's weight too often; no one choice is within 10% of the best on every product. (One
+# row takes no shared memory: its loads feed no tensor-core product, so they are not staged.) One row
+# summed into the residual (o_proj, down_proj) 16 x 256 x 4 with K split in 4. 2-16 rows: 64 x 256 x
+# 4 x 4 (120 KB), or on a GPU of less shared memory (an RTX A6000: 99 KB) 32 x 256 x 4 x 2 (24 KB;
 # ``benchmarks/kernel_resources.py``).
 TILES = {"one row, short": ((16, 512, 8, 4),),
          "one row": ((16, 256, 4, 4),),
+         "one row, wide": ((32, 256, 4, 2),),
+         "one row, summed": ((16, 256, 4, 4),),
          "few rows": ((64, 256, 4, 4), (32, 256, 4, 2))}
 STEP = 256  # K must be a multiple of every step (512: only where it divides K)
+WIDE = 32768  # weight rows from which a one-row product is "wide"
+SUMMED_SPLITS = 4  # splits of K for one row summed into the residual (2 where 4 do not divide K in steps)
 # the compute capabilities where the kernel was measured faster than cuBLAS (an H200); elsewhere (an RTX
 # A6000 is 8.6) the layers keep cuBLAS until ``benchmarks/skinny_gemm.py`` shows a gain there
 FASTER_ON = frozenset({(9, 0)})
 _CHOSEN: dict[tuple[str, str], tuple[int, int, int, int]] = {}  # (device, class) -> tiles
 
 
-def split_count(rows: int, inner: int, tiles: int, step: int, add: bool, norm: bool, device: torch.device) -> int:
-    """Splits of K for a product: one row summed into ``out`` (a decode step's o_proj and down_proj,
-    whose few wide weight rows make too few programs to stream at full speed: cuBLAS splits K there
-    too) takes the fewest of 2, 4, 8 that make 4 programs a multiprocessor, each keeping at least 4
-    steps; the rest, one (``benchmarks/skinny_gemm.py --grid`` times every count)."""
-    if rows != 1 or not add or norm:
+def split_count(rows: int, inner: int, step: int, add: bool) -> int:
+    """Splits of K: one row summed into ``out`` (a decode step's o_proj and down_proj, whose few weight
+    rows make too few programs to stream at full speed; cuBLAS splits K there too) takes SUMMED_SPLITS
+    (or 2) where they cut K into whole steps; the rest one (``benchmarks/skinny_gemm.py --grid`` times
+    every count: 4 were the fastest or within 1% on both model shapes)."""
+    if rows != 1 or not add:
         return 1
-    enough = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    count = 1
-    while count < 8 and tiles * count < enough and inner % (2 * count * step) == 0 and inner // (2 * count * step) >= 4:
-        count *= 2
-    return count
+    return next((count for count in (SUMMED_SPLITS, 2) if inner % (count * step) == 0), 1)
 
 
 # (device) -> int32 counts of the splits arrived per output tile, kept at 0 between calls (the last split
@@ -76,11 +78,16 @@ def _arrival_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
     return counts if tiles <= MOST_TILES else None
 
 
-def tile_class(rows: int, inner: int) -> str:
-    """Which TILES a product of ``rows`` rows over ``inner`` (K) takes."""
+def tile_class(rows: int, inner: int, width: int = 0, add: bool = False) -> str:
+    """Which TILES a product of ``rows`` rows over ``inner`` (K) into ``width`` columns (N) takes;
+    ``add``: summed into its output."""
     if rows > 1:
         return "few rows"
-    return "one row, short" if inner <= 4096 and inner % 512 == 0 else "one row"
+    if add:
+        return "one row, summed"
+    if inner <= 4096 and inner % 512 == 0:
+        return "one row, short"
+    return "one row, wide" if width >= WIDE else "one row"
 
 
 @triton.jit
@@ -178,11 +185,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
     norm_kind = 0 if norm is None else 2 if one_plus else 1
     if out is None:
         out = torch.empty(rows, width, dtype=x.dtype, device=x.device)
-    key = (str(x.device), tile_class(rows, inner))
+    key = (str(x.device), tile_class(rows, inner, width, add))
     choices = (tiles,) if tiles else (_CHOSEN[key],) if key in _CHOSEN else TILES[key[1]]
     for index, (block_n, block_k, warps, stages) in enumerate(choices):
         tile_count = triton.cdiv(width, block_n)
-        count = splits or split_count(rows, inner, tile_count, block_k, add, norm is not None, x.device)
+        count = splits or split_count(rows, inner, block_k, add)
         if inner % (count * block_k):
             raise ValueError(f"skinny_linear: {count} splits of K = {inner} in steps of {block_k}")
         arrived = _arrival_counts(x.device, tile_count) if count > 1 else None

@@ -258,7 +258,7 @@ def test_the_one_row_product_takes_the_rms_norm_before_it(dtype, one_plus):
     normed = torch.nn.functional.rms_norm(x.float(), (1024,), eps=eps) * (norm_weight.float() + float(one_plus))
     want = torch.nn.functional.linear(normed, weight.float())
     tolerance = {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 4e-3, "rtol": 4e-3}
-    for tiles in TILES[tile_class(1, 1024)] + TILES[tile_class(1, 5120)]:
+    for tiles in TILES[tile_class(1, 1024)] + TILES[tile_class(1, 5120)] + TILES[tile_class(1, 5120, 40000)]:
         got = skinny_linear(x, weight, tiles=(*tiles[:3], 1), norm=(norm_weight, eps, one_plus))
         assert got.dtype == dtype
         torch.testing.assert_close(got.float(), want, **tolerance)
