@@ -7,9 +7,11 @@ rows (the padding costs nothing where the weight read is the time).
 
 Where it runs (``benchmarks/skinny_gemm.py`` times it against cuBLAS per projection of both model
 shapes; results in ``benchmarks/results/wide_passes_h200.md``): the plain product of one row (a
-decode step's q/k/v and gate/up), and the residual sum in place from 2 to 16 rows (a short verify's
-o_proj and down_proj, cuBLAS needing a split-K pass and a reduce there). Elsewhere cuBLAS is as
-fast or faster. Only on the GPUs it was timed on (``FASTER_ON``).
+decode step's q/k/v and gate/up), and the residual sum in place from 1 to 16 rows (a decode step's
+and a short verify's o_proj and down_proj, where cuBLAS runs a split-K pass and a reduce). At one
+row the sum splits K too (``split_count``): the last split of a tile to arrive adds the splits'
+float32 sums in their order, so the result is the same on every call. Only on the GPUs it was timed
+on (``FASTER_ON``).
 
 The one-row product also takes the RMS norm before it (``fused_layer.norm_linear``: a decode step's
 q/k/v and gate/up): the norm's scale is one number per row, so the kernel multiplies x by the norm's
