@@ -97,12 +97,10 @@ class GDNLayer:
         stream): taken here, at one row on CUDA inside the input projection's product.
         """
         mixer, q = self.mixer, hidden.shape[1]
-        if self.kernels and self.projection is not None:
-            return self._with_kernels(hidden, shape, conv_window, state, commit, residual, input_norm)
-        if input_norm is not None:
-            hidden = one_plus_rms_norm(hidden, input_norm)
+        if input_norm is not None and not (self.kernels and self.projection is not None):
+            hidden, input_norm = one_plus_rms_norm(hidden, input_norm), None  # taken before the projections
         if self.kernels:
-            return self._with_kernels(hidden, shape, conv_window, state, commit, residual)
+            return self._with_kernels(hidden, shape, conv_window, state, commit, residual, input_norm)
         conv_inputs, z, b, a = _project(mixer, hidden[0])
         beta = b.sigmoid()
         log_gate = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)  # [q, H] <= 0

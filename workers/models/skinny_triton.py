@@ -101,8 +101,9 @@ def _skinny_kernel(X, W, OUT, NORM_W, WORK, ARRIVED, N, stride_x, stride_out, ep
     to what OUT holds. NORM (one row): X's RMS norm with weight NORM_W (1: w, 2: 1 + w) taken first,
     as a product by x * w and one scale at the end, so the weight stream starts at once (the norm's
     reduction runs beside it, not before it). SPLITS > 1: each split writes its float32 sums to WORK
-    [SPLITS, 16, N] and counts itself in ARRIVED[tile]; the last to arrive adds the splits in their
-    order (the result does not depend on which was last) into OUT and sets the count back to 0."""
+    ([SPLITS, N] for one row, else [SPLITS, 16, N]) and counts itself in ARRIVED[tile]; the last to
+    arrive adds the splits in their order (the result does not depend on which was last) into OUT and
+    sets the count back to 0."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     n = tile * BN + tl.arange(0, BN)
@@ -127,7 +128,8 @@ def _skinny_kernel(X, W, OUT, NORM_W, WORK, ARRIVED, N, stride_x, stride_out, ep
             acc = acc * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
         out = OUT + n
         keep = in_n
-        part = WORK + n  # split 0's sums; split s's at + s * 16 * N
+        part = WORK + n  # split 0's sums [N]; split s's at + s * N
+        split_stride = N
     else:
         m = tl.arange(0, 16)
         x_rows = X + m[:, None] * stride_x + begin + cols[None, :]
@@ -138,14 +140,15 @@ def _skinny_kernel(X, W, OUT, NORM_W, WORK, ARRIVED, N, stride_x, stride_out, ep
             acc = tl.dot(w, tl.trans(x), acc)
         out = OUT + m[None, :] * stride_out + n[:, None]  # [BN, 16]
         keep = in_n[:, None] & (m[None, :] < M)
-        part = WORK + m[None, :] * N + n[:, None]
+        part = WORK + m[None, :] * N + n[:, None]  # split 0's sums [16, N]
+        split_stride = 16 * N
     if SPLITS > 1:
-        tl.store(part + split * 16 * N, acc, mask=keep)
+        tl.store(part + split * split_stride, acc, mask=keep)
         tl.debug_barrier()  # every thread's sums stored before the count says so (the atomic releases them)
         if tl.atomic_add(ARRIVED + tile, 1, sem="acq_rel") == SPLITS - 1:
             acc = tl.load(part, mask=keep, other=0.0, cache_modifier=".cg")  # from L2: other SMs wrote them
             for other in tl.static_range(1, SPLITS):
-                acc += tl.load(part + other * 16 * N, mask=keep, other=0.0, cache_modifier=".cg")
+                acc += tl.load(part + other * split_stride, mask=keep, other=0.0, cache_modifier=".cg")
             if ADD:
                 acc += tl.load(out, mask=keep, other=0.0).to(tl.float32)
             tl.store(out, acc.to(OUT.dtype.element_ty), mask=keep)
@@ -197,7 +200,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
         arrived = _arrival_counts(x.device, tile_count) if count > 1 else None
         if arrived is None:
             count = 1
-        work = torch.empty(count, 16, width, dtype=torch.float32, device=x.device) if count > 1 else out
+        work = (torch.empty(count, 1 if rows == 1 else 16, width, dtype=torch.float32, device=x.device)
+                if count > 1 else out)
         try:
             _skinny_kernel[(tile_count, count)](
                 x, weight, out, norm_weight, work, arrived if arrived is not None else out, width, x.stride(0),
