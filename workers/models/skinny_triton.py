@@ -74,8 +74,8 @@ def _arrival_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
     """The device's split counts, or None (no split then): more tiles than MOST_TILES, or first asked
     for inside a graph capture (an allocation there would belong to that graph's memory pool)."""
     counts = _ARRIVED.get(str(device))
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if counts is None and tiles <= MOST_TILES and not capturing:
+    if counts is None and tiles <= MOST_TILES and not (
+            device.type == "cuda" and torch.cuda.is_current_stream_capturing()):  # asked only until they exist
         counts = _ARRIVED[str(device)] = torch.zeros(MOST_TILES, dtype=torch.int32, device=device)
     return counts if tiles <= MOST_TILES else None
 
