@@ -187,14 +187,10 @@ def norm_linear(x: torch.Tensor, norm: nn.Module, weight: torch.Tensor, bias: to
     result silu(gate) * up [q, I]. ``norm``: a plain RMSNorm, or Qwen3.5's (``one_plus``). On CUDA: the
     norm kernel, the product and the activation kernel; one row: the norm inside ``skinny_triton``'s
     product (where it takes the product, as in ``product``), not rounded between the two."""
-    out = None
-    if bias is None and x.shape[0] == 1 and x.is_cuda and triton_available():
-        from workers.models import skinny_triton
-
-        if skinny_triton.takes(x, weight):
-            eps = norm.eps if one_plus else norm.variance_epsilon
-            out = skinny_triton.skinny_linear(x, weight, norm=(norm.weight, eps, one_plus))
-    if out is None:
+    if x.shape[0] == 1 and (kernel := skinny_kernel(x, weight, bias)) is not None:
+        eps = norm.eps if one_plus else norm.variance_epsilon
+        out = kernel.skinny_linear(x, weight, norm=(norm.weight, eps, one_plus))
+    else:
         out = product(one_plus_rms_norm(x, norm) if one_plus else rms_norm(x, norm), weight, bias)
     return silu_mul(out) if silu else out
 
@@ -202,12 +198,20 @@ def norm_linear(x: torch.Tensor, norm: nn.Module, weight: torch.Tensor, bias: to
 def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [q, K]; one row on CUDA by ``skinny_triton`` (it streams the
     weight faster than cuBLAS's one-row kernels: ``benchmarks/skinny_gemm.py``)."""
-    if bias is None and x.shape[0] == 1 and x.is_cuda and triton_available():
+    if x.shape[0] == 1 and (kernel := skinny_kernel(x, weight, bias)) is not None:
+        return kernel.skinny_linear(x, weight)
+    return F.linear(x, weight, bias)
+
+
+def skinny_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The ``skinny_triton`` module if it takes x @ weight^T (CUDA, Triton, no bias, its rows and GPUs:
+    ``skinny_triton.takes``), else None."""
+    if bias is None and x.is_cuda and triton_available():
         from workers.models import skinny_triton
 
         if skinny_triton.takes(x, weight):
-            return skinny_triton.skinny_linear(x, weight)
-    return F.linear(x, weight, bias)
+            return skinny_triton
+    return None
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -230,11 +234,8 @@ def add_projection_(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear,
     From 1 to 16 rows on CUDA the sum is ``skinny_triton``'s epilogue (cuBLAS runs split-K and a
     reduce there; the kernel's one-row form splits K too, the last split adding into the residual:
     ``benchmarks/skinny_gemm.py``)."""
-    if reduce is None and linear.bias is None and x.is_cuda and triton_available():
-        from workers.models import skinny_triton
-
-        if skinny_triton.takes(x, linear.weight):
-            return skinny_triton.skinny_linear(x, linear.weight, out=residual)
+    if reduce is None and (kernel := skinny_kernel(x, linear.weight, linear.bias)) is not None:
+        return kernel.skinny_linear(x, linear.weight, out=residual)
     if reduce is not None:
         return residual.add_(reduce(F.linear(x, linear.weight, linear.bias)))
     if linear.bias is not None:
