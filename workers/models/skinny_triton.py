@@ -70,7 +70,7 @@ MOST_TILES = 1 << 14
 _ARRIVED: dict[str, torch.Tensor] = {}
 
 
-def _arrival_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
+def arrival_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
     """The device's split counts, or None (no split then): more tiles than MOST_TILES, or first asked
     for inside a graph capture (an allocation there would belong to that graph's memory pool)."""
     counts = _ARRIVED.get(str(device))
@@ -197,7 +197,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
         count = splits or split_count(rows, inner, block_k, add)
         if inner % (count * block_k):
             raise ValueError(f"skinny_linear: {count} splits of K = {inner} in steps of {block_k}")
-        arrived = _arrival_counts(x.device, tile_count) if count > 1 else None
+        arrived = arrival_counts(x.device, tile_count) if count > 1 else None
         if arrived is None:
             count = 1
         work = (torch.empty(count, 1 if rows == 1 else 16, width, dtype=torch.float32, device=x.device)

@@ -294,3 +294,33 @@ def test_the_few_rows_product_split_along_k_equals_the_matrix_product(dtype, row
             assert not skinny_triton._ARRIVED["cpu"].any()
     with pytest.raises(ValueError, match="8 splits of K = 1024"):
         skinny_linear(x, weight, tiles=tiles, splits=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("rows", "splits"), [(64, 1), (70, 1), (70, 3), (90, 2), (96, 4)])
+def test_the_wide_product_kernel_equals_the_matrix_product(dtype, rows, splits):
+    """``wide_triton``'s product (the weight as the left operand, a 16-row tail beside the last block of
+    rows, K split over programs), plain and summed into a residual in place, against ``F.linear`` and
+    ``addmm_``, over 100 weight rows (not a multiple of the tile's): whole blocks (64), a tail (70), a
+    block masked (90), an uneven split of the steps (3 of 8), twice in a row (the counts back at 0);
+    and splits past the steps refused by name."""
+    from workers.models import skinny_triton
+    from workers.models.wide_triton import blocks_of, wide_linear
+
+    g = torch.Generator().manual_seed(rows + splits)
+    tolerance = {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 4e-3, "rtol": 4e-3}
+    x = (torch.randn(rows, 128, generator=g) * 2).to(dtype)
+    weight = (torch.randn(100, 128, generator=g) * 0.05).to(dtype)
+    tiles = (32, 32, 16, 4, 1)  # 4 tiles of weight rows, 2-3 blocks of x rows, 8 steps of K
+    assert blocks_of(rows, 32) == {64: (2, 0), 70: (2, 16), 90: (3, 0), 96: (3, 0)}[rows]
+    for _ in range(2):
+        torch.testing.assert_close(wide_linear(x, weight, tiles=tiles, splits=splits),
+                                   torch.nn.functional.linear(x, weight), **tolerance)
+        residual = torch.randn(rows, 100, generator=g).to(dtype)
+        want = residual.clone().addmm_(x, weight.t())
+        assert wide_linear(x, weight, out=residual, tiles=tiles, splits=splits) is residual
+        torch.testing.assert_close(residual, want, **tolerance)
+        if splits > 1:
+            assert not skinny_triton._ARRIVED["cpu"].any()
+    with pytest.raises(ValueError, match="9 splits of 8 steps"):
+        wide_linear(x, weight, tiles=tiles, splits=9)

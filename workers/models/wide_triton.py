@@ -1,0 +1,182 @@
+"""Matrix products of a wide verify pass (a DDTree tree of 256 nodes and its root: 257 rows) as one
+Triton kernel (CUDA only).
+
+out [M, N] = x [M, K] @ weight [N, K]^T, or out += it in place, for M from ``FEWEST_ROWS`` to
+``MOST_ROWS``. cuBLAS loses here for two reasons (``benchmarks/projection_gemms.py``, results in
+``benchmarks/results/wide_passes_h200.md``): the output projections' outputs (257 x 4096-5120) make
+fewer tiles than the GPU has SMs, and the 257th row costs a whole tile of rows. So each program
+computes the transposed tile, BN weight rows against BM rows of x (the weight is the tensor-core
+product's left operand, "swap AB"), and the last block of rows takes up to TAIL more rows in a
+second, 16-wide product beside it instead of a block of its own; and K is split over ``splits``
+programs per tile where the tiles alone leave SMs idle. As in ``skinny_triton``, each split writes its
+float32 sums aside and counts itself in a per-tile counter; the last split to arrive adds the splits
+in their order (so the bits do not depend on which finished last) into the output and sets the
+counter back to 0.
+
+Where it runs: products of ``takes``'s rows on the GPUs it was timed on (``FASTER_ON``);
+``benchmarks/wide_gemm.py`` times it against cuBLAS per projection of both model shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from workers.models.skinny_triton import arrival_counts
+
+FEWEST_ROWS, MOST_ROWS = 256, 272  # a 256-node tree with or without its root (B = 255 or 256), up to a tail
+TAIL = 16  # rows the last block takes beside its BM (the tensor cores' narrowest product)
+# (weight rows per program BN, x rows per block BM, K per step BK, warps, stages) as
+# ``benchmarks/wide_gemm.py --grid`` timed them on an H200
+TILES = (128, 256, 64, 8, 3)
+STEP = 64  # K must be a multiple of every BK
+# the compute capabilities where the kernel was measured faster than cuBLAS (an H200)
+FASTER_ON = frozenset({(9, 0)})
+# the forms the layers hand it: "sum" (o_proj, down_proj, GDN out_proj: into the residual) and "plain"
+# (q/k/v, gate/up, GDN in_proj)
+FORMS = frozenset({"sum", "plain"})
+
+
+@triton.jit
+def _wide_kernel(X, W, OUT, WORK, ARRIVED, M, N, K, splits, stride_x, stride_out,
+                 BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, TAIL: tl.constexpr, ADD: tl.constexpr,
+                 SPLIT: tl.constexpr):
+    """Program (tile, block, split): OUT [M, N]'s columns n = tile * BN.. and rows m = block * BM..
+    (plus the TAIL rows after them when TAIL > 0: the last block) from W's rows n [N, K] (contiguous)
+    and X's rows m over this split's share of the K / BK steps; ADD: added to what OUT holds. SPLIT:
+    the sums go through WORK [splits, M, N] float32 and the per-tile count ARRIVED[block * tiles +
+    tile]; the last split to arrive adds them in order into OUT and sets the count back to 0."""
+    tile = tl.program_id(0)
+    block = tl.program_id(1)
+    split = tl.program_id(2)
+    n = tile * BN + tl.arange(0, BN)
+    m = block * BM + tl.arange(0, BM)
+    cols = tl.arange(0, BK)
+    in_n = n < N
+    in_m = m < M
+    steps = K // BK
+    first = split * steps // splits
+    last = (split + 1) * steps // splits
+    w_rows = W + n[:, None].to(tl.int64) * K + cols[None, :]  # [BN, BK]
+    x_cols = X + m[None, :] * stride_x + cols[:, None]  # [BK, BM]: x^T
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    if TAIL > 0:
+        t = (block + 1) * BM + tl.arange(0, TAIL)
+        in_t = (t < M) & (block == tl.num_programs(1) - 1)  # (the last block's; the others' products are lost)
+        t_cols = X + t[None, :] * stride_x + cols[:, None]  # [BK, TAIL]
+        tail = tl.zeros((BN, TAIL), dtype=tl.float32)
+    for step in range(first, last):
+        w = tl.load(w_rows + step * BK, mask=in_n[:, None], other=0.0)
+        acc = tl.dot(w, tl.load(x_cols + step * BK, mask=in_m[None, :], other=0.0), acc)
+        if TAIL > 0:
+            tail = tl.dot(w, tl.load(t_cols + step * BK, mask=in_t[None, :], other=0.0), tail)
+    out = OUT + m[None, :] * stride_out + n[:, None]  # [BN, BM]: out^T
+    keep = in_n[:, None] & in_m[None, :]
+    if TAIL > 0:
+        tail_out = OUT + t[None, :] * stride_out + n[:, None]
+        tail_keep = in_n[:, None] & in_t[None, :]
+    if SPLIT:
+        part = WORK + m[None, :].to(tl.int64) * N + n[:, None]  # split 0's sums; split s's at + s * M * N
+        tl.store(part + split * M * N, acc, mask=keep)
+        if TAIL > 0:
+            tail_part = WORK + t[None, :].to(tl.int64) * N + n[:, None]
+            tl.store(tail_part + split * M * N, tail, mask=tail_keep)
+        tl.debug_barrier()  # every thread's sums stored before the count says so (the atomic releases them)
+        counter = ARRIVED + block * tl.num_programs(0) + tile
+        if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
+            acc = tl.load(part, mask=keep, other=0.0, cache_modifier=".cg")  # from L2: other SMs wrote them
+            for other in range(1, splits):
+                acc += tl.load(part + other * M * N, mask=keep, other=0.0, cache_modifier=".cg")
+            _store(acc, out, keep, ADD)
+            if TAIL > 0:
+                tail = tl.load(tail_part, mask=tail_keep, other=0.0, cache_modifier=".cg")
+                for other in range(1, splits):
+                    tail += tl.load(tail_part + other * M * N, mask=tail_keep, other=0.0, cache_modifier=".cg")
+                _store(tail, tail_out, tail_keep, ADD)
+            tl.atomic_xchg(counter, 0)  # ready for the next call (a graph replays it as it is)
+    else:
+        _store(acc, out, keep, ADD)
+        if TAIL > 0:
+            _store(tail, tail_out, tail_keep, ADD)
+
+
+@triton.jit
+def _store(acc, out, keep, ADD: tl.constexpr):
+    """acc (float32) into the pointers ``out`` where ``keep``, added to what they hold with ADD."""
+    if ADD:
+        acc += tl.load(out, mask=keep, other=0.0).to(tl.float32)
+    tl.store(out, acc.to(out.dtype.element_ty), mask=keep)
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor, add: bool = False) -> bool:
+    """Whether the layers give this product (``add``: summed into an output) to the kernel: a form of
+    FORMS, CUDA on a GPU of FASTER_ON, half precision, FEWEST_ROWS..MOST_ROWS rows (contiguous along
+    K), a contiguous weight whose K the steps divide."""
+    rows, inner = x.shape
+    return (("sum" if add else "plain") in FORMS and x.is_cuda
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and FEWEST_ROWS <= rows <= MOST_ROWS and x.stride(1) == 1 and weight.is_contiguous()
+            and inner % STEP == 0 and capability(x.device) in FASTER_ON)
+
+
+@functools.cache
+def capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+@functools.cache
+def processors(device: torch.device) -> int:
+    """The device's SMs (the interpreter's CPU: as many as an H200, so that its tests split as one does)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def blocks_of(rows: int, block_m: int) -> tuple[int, int]:
+    """(blocks of block_m rows, tail): the rows past the last whole block go in a TAIL-row tail when there
+    are at most TAIL of them, else in one more (masked) block."""
+    blocks, left = divmod(rows, block_m)
+    if left == 0:
+        return blocks, 0
+    if left <= TAIL and blocks > 0:
+        return blocks, TAIL
+    return blocks + 1, 0
+
+
+def split_count(tiles: int, steps: int, device: torch.device) -> int:
+    """Splits of K per tile: as many as keep the programs within one wave of the device's SMs (the
+    output projections' 257 x 4096-5120 outputs are 32-40 tiles of 128 columns on 132 SMs), at least 8
+    steps each."""
+    return max(1, min(processors(device) // tiles, steps // 8))
+
+
+def wide_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+                tiles: tuple[int, int, int, int, int] | None = None, splits: int | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N]; with ``out`` [M, N] the product is added into it in place (and
+    returned). ``tiles``: (BN, BM, BK, warps, stages), None: TILES. ``splits`` of K (None:
+    ``split_count``'s). Callers check ``takes`` first."""
+    rows, inner = x.shape
+    width = weight.shape[0]
+    block_n, block_m, block_k, warps, stages = tiles or TILES
+    if inner % block_k:
+        raise ValueError(f"wide_linear: K = {inner} is not a multiple of the step {block_k}")
+    add = out is not None
+    if out is None:
+        out = torch.empty(rows, width, dtype=x.dtype, device=x.device)
+    blocks, tail = blocks_of(rows, block_m)
+    tile_count = triton.cdiv(width, block_n)
+    steps = inner // block_k
+    count = splits or split_count(tile_count * blocks, steps, x.device)
+    if not 1 <= count <= steps:
+        raise ValueError(f"wide_linear: {count} splits of {steps} steps of K")
+    arrived = arrival_counts(x.device, tile_count * blocks) if count > 1 else None
+    if arrived is None:
+        count = 1
+    work = torch.empty(count, rows, width, dtype=torch.float32, device=x.device) if count > 1 else out
+    _wide_kernel[(tile_count, blocks, count)](
+        x, weight, out, work, arrived if arrived is not None else out, rows, width, inner, count, x.stride(0),
+        out.stride(0), BN=block_n, BM=block_m, BK=block_k, TAIL=tail, ADD=add, SPLIT=count > 1,
+        num_warps=warps, num_stages=stages,
+    )
+    return out
