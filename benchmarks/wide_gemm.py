@@ -1,6 +1,6 @@
 """The products of a wide verify pass (a DDTree tree of 255 or 256 nodes and its root: 256 or 257 rows)
 against their floors: cuBLAS (``F.linear`` / ``addmm_`` into the residual, what the layers ran before)
-against the project's Triton kernel (``workers.models.wide_triton``) with its own tiles and splits,
+and cuBLASLt (``torch.backends.cuda.preferred_blas_library``) against the project's Triton kernel (``workers.models.wide_triton``) with its own tiles and splits,
 and (``--grid``) every choice of them.
 
     python benchmarks/wide_gemm.py [--shape qwen3-8b] [--rows 256,257] [--copies 4] [--grid] [--only o,down]
@@ -50,7 +50,7 @@ def main() -> int:
     print(f"{args.shape}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 8192^3 product {rate / 1e12:.0f} TFLOP/s; "
           + (f"{len(choices)} tile choices (BN, BM, BK, warps, stages) x split counts" if args.grid
              else "the kernel's own tiles"))
-    print(f"{'projection':>10} {'N':>6} {'K':>6} {'M':>4} {'floor us':>9} {'cuBLAS':>14} {'Triton':>14} "
+    print(f"{'projection':>10} {'N':>6} {'K':>6} {'M':>4} {'floor us':>9} {'cuBLAS':>14} {'Lt':>7} {'Triton':>14} "
           f"{'splits':>6} {'best':>14} {'tiles, splits':>26} {'rel diff':>9}  next best", flush=True)
     chosen = [name for name in args.only.split(",") if name]
     for name, (width, inner, around) in projections(args.shape).items():
@@ -72,6 +72,9 @@ def main() -> int:
                 return wide_linear(x, weight, out=out if add else None, tiles=tiles, splits=splits)
 
             baseline = replay_us(lambda: cublas(next(turn)))
+            torch.backends.cuda.preferred_blas_library("cublaslt")  # its heuristics, not cuBLAS's
+            lt = replay_us(lambda: cublas(next(turn)))
+            torch.backends.cuda.preferred_blas_library("cublas")
             own = replay_us(lambda: kernel(next(turn)))
             own_splits = split_count(-(-width // TILES[0]) * blocks_of(rows, TILES[1])[0], inner // TILES[2], x.device)
             timed = []
@@ -94,7 +97,7 @@ def main() -> int:
             diff = ((got - want).norm() / want.norm()).item()
             others = ", ".join(f"{us:.1f} {t} {c}" for us, t, c in timed[1:3])
             print(f"{name:>10} {width:>6} {inner:>6} {rows:>4} {floor:>9.1f} "
-                  f"{baseline:>7.1f} {baseline / floor:>5.2f}x "
+                  f"{baseline:>7.1f} {baseline / floor:>5.2f}x {lt:>7.1f} "
                   f"{own:>7.1f} {own / floor:>5.2f}x {own_splits:>6} {best_us:>7.1f} {best_us / floor:>5.2f}x "
                   f"{str((best_tiles, best_splits)):>26} {diff:>9.1e}  {others}", flush=True)
         del weights

@@ -24,6 +24,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from workers.models.skinny_triton import arrival_counts
 
@@ -41,38 +42,36 @@ FORMS = frozenset({"sum", "plain"})
 
 
 @triton.jit
-def _wide_kernel(X, W, OUT, WORK, ARRIVED, M, N, K, splits, stride_x, stride_out,
+def _wide_kernel(x_desc, tail_desc, w_desc, OUT, WORK, ARRIVED, M, N, K, splits, stride_out,
                  BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, TAIL: tl.constexpr, ADD: tl.constexpr,
                  SPLIT: tl.constexpr):
     """Program (tile, block, split): OUT [M, N]'s columns n = tile * BN.. and rows m = block * BM..
-    (plus the TAIL rows after them when TAIL > 0: the last block) from W's rows n [N, K] (contiguous)
-    and X's rows m over this split's share of the K / BK steps; ADD: added to what OUT holds. SPLIT:
-    the sums go through WORK [splits, M, N] float32 and the per-tile count ARRIVED[block * tiles +
-    tile]; the last split to arrive adds them in order into OUT and sets the count back to 0."""
+    (plus the TAIL rows after them when TAIL > 0: the last block) from the weight's rows n (w_desc:
+    [N, K] in [BN, BK] blocks) and x's rows m (x_desc: [M, K] in [BM, BK] blocks; tail_desc in [TAIL,
+    BK] blocks) over this split's share of the K / BK steps; ADD: added to what OUT holds. The blocks
+    come by TMA (rows past M read as zeros). SPLIT: the sums go through WORK [splits, M, N] float32 and
+    the per-tile count ARRIVED[block * tiles + tile]; the last split to arrive adds them in order into
+    OUT and sets the count back to 0."""
     tile = tl.program_id(0)
     block = tl.program_id(1)
     split = tl.program_id(2)
     n = tile * BN + tl.arange(0, BN)
     m = block * BM + tl.arange(0, BM)
-    cols = tl.arange(0, BK)
     in_n = n < N
     in_m = m < M
     steps = K // BK
     first = split * steps // splits
     last = (split + 1) * steps // splits
-    w_rows = W + n[:, None].to(tl.int64) * K + cols[None, :]  # [BN, BK]
-    x_cols = X + m[None, :] * stride_x + cols[:, None]  # [BK, BM]: x^T
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     if TAIL > 0:
         t = (block + 1) * BM + tl.arange(0, TAIL)
         in_t = (t < M) & (block == tl.num_programs(1) - 1)  # (the last block's; the others' products are lost)
-        t_cols = X + t[None, :] * stride_x + cols[:, None]  # [BK, TAIL]
         tail = tl.zeros((BN, TAIL), dtype=tl.float32)
     for step in range(first, last):
-        w = tl.load(w_rows + step * BK, mask=in_n[:, None], other=0.0)
-        acc = tl.dot(w, tl.load(x_cols + step * BK, mask=in_m[None, :], other=0.0), acc)
+        w = w_desc.load([tile * BN, step * BK])  # [BN, BK]
+        acc = tl.dot(w, x_desc.load([block * BM, step * BK]).T, acc)  # [BN, BK] @ [BK, BM]
         if TAIL > 0:
-            tail = tl.dot(w, tl.load(t_cols + step * BK, mask=in_t[None, :], other=0.0), tail)
+            tail = tl.dot(w, tail_desc.load([(block + 1) * BM, step * BK]).T, tail)
     out = OUT + m[None, :] * stride_out + n[:, None]  # [BN, BM]: out^T
     keep = in_n[:, None] & in_m[None, :]
     if TAIL > 0:
@@ -114,11 +113,12 @@ def _store(acc, out, keep, ADD: tl.constexpr):
 def takes(x: torch.Tensor, weight: torch.Tensor, add: bool = False) -> bool:
     """Whether the layers give this product (``add``: summed into an output) to the kernel: a form of
     FORMS, CUDA on a GPU of FASTER_ON, half precision, FEWEST_ROWS..MOST_ROWS rows (contiguous along
-    K), a contiguous weight whose K the steps divide."""
+    K, 16-byte aligned as TMA reads them), a contiguous weight whose K the steps divide."""
     rows, inner = x.shape
     return (("sum" if add else "plain") in FORMS and x.is_cuda
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and FEWEST_ROWS <= rows <= MOST_ROWS and x.stride(1) == 1 and weight.is_contiguous()
+            and x.data_ptr() % 16 == 0 == weight.data_ptr() % 16 and x.stride(0) * x.element_size() % 16 == 0
             and inner % STEP == 0 and capability(x.device) in FASTER_ON)
 
 
@@ -174,9 +174,11 @@ def wide_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     if arrived is None:
         count = 1
     work = torch.empty(count, rows, width, dtype=torch.float32, device=x.device) if count > 1 else out
+    x_blocks = TensorDescriptor.from_tensor(x, [block_m, block_k])
+    tail_blocks = TensorDescriptor.from_tensor(x, [TAIL, block_k]) if tail else x_blocks
     _wide_kernel[(tile_count, blocks, count)](
-        x, weight, out, work, arrived if arrived is not None else out, rows, width, inner, count, x.stride(0),
-        out.stride(0), BN=block_n, BM=block_m, BK=block_k, TAIL=tail, ADD=add, SPLIT=count > 1,
+        x_blocks, tail_blocks, TensorDescriptor.from_tensor(weight, [block_n, block_k]), out, work,
+        arrived if arrived is not None else out, rows, width, inner, count, out.stride(0), BN=block_n, BM=block_m, BK=block_k, TAIL=tail, ADD=add, SPLIT=count > 1,
         num_warps=warps, num_stages=stages,
     )
     return out
