@@ -1,7 +1,7 @@
 """The products of a wide verify pass (a DDTree tree of 255 or 256 nodes and its root: 256 or 257 rows)
 against their floors: cuBLAS (``F.linear`` / ``addmm_`` into the residual, what the layers ran before)
-and cuBLASLt (``torch.backends.cuda.preferred_blas_library``) against the project's Triton kernel (``workers.models.wide_triton``) with its own tiles and splits,
-and (``--grid``) every choice of them.
+and cuBLASLt (``torch.backends.cuda.preferred_blas_library``) against the project's Triton kernel
+(``workers.models.wide_triton``) with its own tiles and splits, and (``--grid``) every choice of them.
 
     python benchmarks/wide_gemm.py [--shape qwen3-8b] [--rows 256,257] [--copies 4] [--grid] [--only o,down]
 

@@ -118,7 +118,8 @@ def takes(x: torch.Tensor, weight: torch.Tensor, add: bool = False) -> bool:
     return (("sum" if add else "plain") in FORMS and x.is_cuda
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and FEWEST_ROWS <= rows <= MOST_ROWS and x.stride(1) == 1 and weight.is_contiguous()
-            and x.data_ptr() % 16 == 0 == weight.data_ptr() % 16 and x.stride(0) * x.element_size() % 16 == 0
+            and x.data_ptr() % 16 == 0 == weight.data_ptr() % 16
+            and x.stride(0) * x.element_size() % 16 == 0
             and inner % STEP == 0 and capability(x.device) in FASTER_ON)
 
 
@@ -178,7 +179,7 @@ def wide_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     tail_blocks = TensorDescriptor.from_tensor(x, [TAIL, block_k]) if tail else x_blocks
     _wide_kernel[(tile_count, blocks, count)](
         x_blocks, tail_blocks, TensorDescriptor.from_tensor(weight, [block_n, block_k]), out, work,
-        arrived if arrived is not None else out, rows, width, inner, count, out.stride(0), BN=block_n, BM=block_m, BK=block_k, TAIL=tail, ADD=add, SPLIT=count > 1,
-        num_warps=warps, num_stages=stages,
+        arrived if arrived is not None else out, rows, width, inner, count, out.stride(0), BN=block_n, BM=block_m,
+        BK=block_k, TAIL=tail, ADD=add, SPLIT=count > 1, num_warps=warps, num_stages=stages,
     )
     return out
