@@ -36,9 +36,10 @@ TILES = (128, 256, 64, 8, 3)
 STEP = 64  # K must be a multiple of every BK
 # the compute capabilities where the kernel was measured faster than cuBLAS (an H200)
 FASTER_ON = frozenset({(9, 0)})
-# the forms the layers hand it: "sum" (o_proj, down_proj, GDN out_proj: into the residual) and "plain"
-# (q/k/v, gate/up, GDN in_proj)
-FORMS = frozenset({"sum", "plain"})
+# the forms the layers hand it: "sum" (o_proj, down_proj, GDN out_proj: into the residual; "plain", q/k/v,
+# gate/up and GDN in_proj, lost to cuBLAS in every tile choice: their outputs are wide enough for
+# cuBLAS's tiles, and BN-row tiles leave a partial last wave)
+FORMS = frozenset({"sum"})
 
 
 @triton.jit
@@ -86,20 +87,32 @@ def _wide_kernel(x_desc, tail_desc, w_desc, OUT, WORK, ARRIVED, M, N, K, splits,
         tl.debug_barrier()  # every thread's sums stored before the count says so (the atomic releases them)
         counter = ARRIVED + block * tl.num_programs(0) + tile
         if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
-            acc = tl.load(part, mask=keep, other=0.0, cache_modifier=".cg")  # from L2: other SMs wrote them
-            for other in range(1, splits):
-                acc += tl.load(part + other * M * N, mask=keep, other=0.0, cache_modifier=".cg")
-            _store(acc, out, keep, ADD)
+            # the last to arrive re-reads its own sums too, [CHUNK, BN] at a time: a second [BN, BM] tile
+            # in registers beside acc would spill
+            _sum_splits(WORK, OUT, block * BM, M, M, n, in_n, N, splits, stride_out, BM, ADD)
             if TAIL > 0:
-                tail = tl.load(tail_part, mask=tail_keep, other=0.0, cache_modifier=".cg")
-                for other in range(1, splits):
-                    tail += tl.load(tail_part + other * M * N, mask=tail_keep, other=0.0, cache_modifier=".cg")
-                _store(tail, tail_out, tail_keep, ADD)
+                _sum_splits(WORK, OUT, (block + 1) * BM, M, tl.where(block == tl.num_programs(1) - 1, M, 0), n,
+                            in_n, N, splits, stride_out, TAIL, ADD)
             tl.atomic_xchg(counter, 0)  # ready for the next call (a graph replays it as it is)
     else:
         _store(acc, out, keep, ADD)
         if TAIL > 0:
             _store(tail, tail_out, tail_keep, ADD)
+
+
+@triton.jit
+def _sum_splits(WORK, OUT, first_row, M, end, n, in_n, N, splits, stride_out, ROWS: tl.constexpr,
+                ADD: tl.constexpr, CHUNK: tl.constexpr = 16):
+    """OUT's rows first_row.. (ROWS of them, those below ``end``) and columns n = the splits' sums in
+    WORK [splits, M, N] added in their order (and to OUT with ADD), CHUNK rows at a time."""
+    for chunk in tl.static_range(0, ROWS, CHUNK):
+        rows = first_row + chunk + tl.arange(0, CHUNK)
+        keep = (rows < end)[:, None] & in_n[None, :]
+        part = WORK + rows[:, None].to(tl.int64) * N + n[None, :]  # [CHUNK, BN], n contiguous
+        total = tl.load(part, mask=keep, other=0.0, cache_modifier=".cg")  # from L2: other SMs wrote them
+        for other in range(1, splits):
+            total += tl.load(part + other * M * N, mask=keep, other=0.0, cache_modifier=".cg")
+        _store(total, OUT + rows[:, None] * stride_out + n[None, :], keep, ADD)
 
 
 @triton.jit

@@ -78,6 +78,7 @@ def test_the_kernel_declines_what_it_cannot_run(monkeypatch):
     from workers.models import wide_triton
 
     monkeypatch.setattr(wide_triton, "FASTER_ON", frozenset({torch.cuda.get_device_capability()}))
+    monkeypatch.setattr(wide_triton, "FORMS", frozenset({"sum", "plain"}))
     weight = torch.zeros(64, 512, device="cuda", dtype=torch.bfloat16)
     rows = torch.zeros(257, 512, device="cuda", dtype=torch.bfloat16)
     assert wide_triton.takes(rows, weight) and wide_triton.takes(rows, weight, add=True)
