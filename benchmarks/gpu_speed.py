@@ -103,7 +103,14 @@ def main() -> int:
                         help="tree widths whose graph pass is profiled by kernel, comma-separated")
     parser.add_argument("--top", type=int, default=12, help="kernels listed per profile, by time")
     parser.add_argument("--budgets", default=BUDGETS, help="DDTree budgets of the tree work and rounds")
+    parser.add_argument("--wide-triton", action="store_true",
+                        help="the layers' 256-272-row products by workers.models.wide_triton (off on every GPU: "
+                             "benchmarks/wide_gemm.py), to time a pass with it")
     args = parser.parse_args()
+    if args.wide_triton:
+        from workers.models import wide_triton
+
+        wide_triton.FASTER_ON = frozenset({torch.cuda.get_device_capability()})
     device = torch.device("cuda")
     lines: list[str] = []
     measured: dict = {"split ratios": []}  # what the goals table reads

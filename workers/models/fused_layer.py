@@ -198,7 +198,7 @@ def norm_linear(x: torch.Tensor, norm: nn.Module, weight: torch.Tensor, bias: to
 def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [q, K]; on CUDA one row by ``skinny_triton`` (it streams the
     weight faster than cuBLAS's one-row kernels: ``benchmarks/skinny_gemm.py``) and a wide verify's
-    rows by ``wide_triton`` where it was timed faster (``benchmarks/wide_gemm.py``)."""
+    rows by ``wide_triton`` on the GPUs where it was timed faster (none yet: ``benchmarks/wide_gemm.py``)."""
     if (x.shape[0] == 1 or x.shape[0] > MOST_SKINNY) and (kernel := triton_product(x, weight, bias)) is not None:
         return kernel(x, weight)
     return F.linear(x, weight, bias)
@@ -207,8 +207,8 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 MOST_SKINNY = 16  # skinny_triton.MOST_ROWS (not imported here: Triton is imported only where it runs)
 
 
-def triton_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, add: bool = False):
-    """The Triton function that takes x @ weight^T (``add``: summed into an output in place), or None:
+def triton_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The Triton function that takes x @ weight^T, or None:
     ``skinny_triton.skinny_linear`` for 1-16 rows, ``wide_triton.wide_linear`` for a wide verify's rows
     (CUDA, no bias, the rows, dtypes and GPUs of their ``takes``)."""
     if bias is None and x.is_cuda and triton_available():
@@ -216,7 +216,7 @@ def triton_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
         if skinny_triton.takes(x, weight):
             return skinny_triton.skinny_linear
-        if wide_triton.takes(x, weight, add):
+        if wide_triton.takes(x, weight):
             return wide_triton.wide_linear
     return None
 
@@ -240,9 +240,9 @@ def add_projection_(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear,
     With ``reduce`` (tensor parallel) linear(x) is this rank's partial sum: reduced first, then added.
     From 1 to 16 rows on CUDA the sum is ``skinny_triton``'s epilogue (cuBLAS runs split-K and a
     reduce there; the kernel's one-row form splits K too, the last split adding into the residual:
-    ``benchmarks/skinny_gemm.py``), and at a wide verify's rows ``wide_triton``'s (its outputs make too
-    few of cuBLAS's tiles to fill the GPU: ``benchmarks/wide_gemm.py``)."""
-    if reduce is None and (kernel := triton_product(x, linear.weight, linear.bias, add=True)) is not None:
+    ``benchmarks/skinny_gemm.py``), and at a wide verify's rows ``wide_triton``'s where ``product``
+    takes it."""
+    if reduce is None and (kernel := triton_product(x, linear.weight, linear.bias)) is not None:
         return kernel(x, linear.weight, out=residual)
     if reduce is not None:
         return residual.add_(reduce(F.linear(x, linear.weight, linear.bias)))

@@ -2,19 +2,23 @@
 Triton kernel (CUDA only).
 
 out [M, N] = x [M, K] @ weight [N, K]^T, or out += it in place, for M from ``FEWEST_ROWS`` to
-``MOST_ROWS``. cuBLAS loses here for two reasons (``benchmarks/projection_gemms.py``, results in
-``benchmarks/results/wide_passes_h200.md``): the output projections' outputs (257 x 4096-5120) make
-fewer tiles than the GPU has SMs, and the 257th row costs a whole tile of rows. So each program
-computes the transposed tile, BN weight rows against BM rows of x (the weight is the tensor-core
-product's left operand, "swap AB"), and the last block of rows takes up to TAIL more rows in a
-second, 16-wide product beside it instead of a block of its own; and K is split over ``splits``
-programs per tile where the tiles alone leave SMs idle. As in ``skinny_triton``, each split writes its
-float32 sums aside and counts itself in a per-tile counter; the last split to arrive adds the splits
-in their order (so the bits do not depend on which finished last) into the output and sets the
-counter back to 0.
+``MOST_ROWS``. cuBLAS runs far from its floor here (``benchmarks/projection_gemms.py``): the output
+projections' outputs (257 x 4096-5120) make fewer tiles than the GPU has SMs, and the 257th row costs
+a whole tile of rows. So each program computes the transposed tile, BN weight rows against BM rows
+of x (the weight is the tensor-core product's left operand, "swap AB"), the last block of rows takes
+up to TAIL more rows in a second, 16-wide product beside it instead of a block of its own, and K may
+be split over ``splits`` programs per tile. As in ``skinny_triton``, each split writes its float32
+sums aside and counts itself in a per-tile counter; the last split to arrive adds the splits in their
+order (so the bits do not depend on which finished last) into the output and sets the counter back
+to 0. x and the weight come by TMA (tensor descriptors).
 
-Where it runs: products of ``takes``'s rows on the GPUs it was timed on (``FASTER_ON``);
-``benchmarks/wide_gemm.py`` times it against cuBLAS per projection of both model shapes.
+Where it runs: nowhere yet. The layers hand it products only on the GPUs where it was timed faster
+than cuBLAS (``FASTER_ON``), and on an H200 it lost in every tile choice and split count
+(``benchmarks/wide_gemm.py --grid``; the figures and why in
+``benchmarks/results/wide_passes_h200.md``): at 257 rows a split's float32 sums are 2 x splits x M / K
+of the weight's bytes, and without splits the tiles small enough to fill the SMs keep the tensor
+cores half idle. It stays as the tested starting point of the next try (a persistent, warp-specialised
+kernel); ``benchmarks/gpu_speed.py --wide-triton`` runs a pass with it.
 """
 
 from __future__ import annotations
@@ -30,16 +34,12 @@ from workers.models.skinny_triton import arrival_counts
 
 FEWEST_ROWS, MOST_ROWS = 256, 272  # a 256-node tree with or without its root (B = 255 or 256), up to a tail
 TAIL = 16  # rows the last block takes beside its BM (the tensor cores' narrowest product)
-# (weight rows per program BN, x rows per block BM, K per step BK, warps, stages) as
-# ``benchmarks/wide_gemm.py --grid`` timed them on an H200
+# (weight rows per program BN, x rows per block BM, K per step BK, warps, stages): the choice that came
+# within 1.1x of cuBLAS at 2048 rows; at 257 the grid's best differ per product (none beat cuBLAS)
 TILES = (128, 256, 64, 8, 3)
 STEP = 64  # K must be a multiple of every BK
-# the compute capabilities where the kernel was measured faster than cuBLAS (an H200)
-FASTER_ON = frozenset({(9, 0)})
-# the forms the layers hand it: "sum" (o_proj, down_proj, GDN out_proj: into the residual; "plain", q/k/v,
-# gate/up and GDN in_proj, lost to cuBLAS in every tile choice: their outputs are wide enough for
-# cuBLAS's tiles, and BN-row tiles leave a partial last wave)
-FORMS = frozenset({"sum"})
+# the compute capabilities where the layers hand it their products: none (see the module's docstring)
+FASTER_ON: frozenset[tuple[int, int]] = frozenset()
 
 
 @triton.jit
@@ -123,13 +123,12 @@ def _store(acc, out, keep, ADD: tl.constexpr):
     tl.store(out, acc.to(out.dtype.element_ty), mask=keep)
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor, add: bool = False) -> bool:
-    """Whether the layers give this product (``add``: summed into an output) to the kernel: a form of
-    FORMS, CUDA on a GPU of FASTER_ON, half precision, FEWEST_ROWS..MOST_ROWS rows (contiguous along
-    K, 16-byte aligned as TMA reads them), a contiguous weight whose K the steps divide."""
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the layers give this product to the kernel: CUDA on a GPU of FASTER_ON, half precision,
+    FEWEST_ROWS..MOST_ROWS rows (contiguous along K, 16-byte aligned as TMA reads them), a contiguous
+    weight whose K the steps divide."""
     rows, inner = x.shape
-    return (("sum" if add else "plain") in FORMS and x.is_cuda
-            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and FEWEST_ROWS <= rows <= MOST_ROWS and x.stride(1) == 1 and weight.is_contiguous()
             and x.data_ptr() % 16 == 0 == weight.data_ptr() % 16
             and x.stride(0) * x.element_size() % 16 == 0
