@@ -27,9 +27,11 @@ from workers.models.shapes import TARGETS
 
 # (rows per program, keys per step, warps, stages, key splits); None: the kernel's own choice (rows:
 # ``kernels.row_block`` up to TILES' first choice's; tiles: TILES' first choice; splits: its rule). The
-# first line is the kernel's own choices, the next the kernel's earlier default.
+# first line is the kernel's own choices, the next the kernel's earlier default; the last four, more keys
+# per step for the wide passes' rows.
 CHOICES = [(None, None, None, None, None), (64, 64, 8, 2, None), (None, 32, 4, 2, None), (128, 32, 8, 2, None),
-           (64, 32, 8, 2, None), (32, 32, 4, 3, None), (None, 64, 4, 2, 16), (64, 64, 4, 2, 1)]
+           (64, 32, 8, 2, None), (32, 32, 4, 3, None), (None, 64, 4, 2, 16), (64, 64, 4, 2, 1),
+           (128, 64, 8, 3, None), (128, 64, 8, 2, None), (64, 64, 4, 3, None), (128, 128, 8, 2, None)]
 
 
 def label(choice) -> str:
