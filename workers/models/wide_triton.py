@@ -34,8 +34,8 @@ from workers.models.skinny_triton import arrival_counts
 
 FEWEST_ROWS, MOST_ROWS = 256, 272  # a 256-node tree with or without its root (B = 255 or 256), up to a tail
 TAIL = 16  # rows the last block takes beside its BM (the tensor cores' narrowest product)
-# (weight rows per program BN, x rows per block BM, K per step BK, warps, stages): the choice that came
-# within 1.1x of cuBLAS at 2048 rows; at 257 the grid's best differ per product (none beat cuBLAS)
+# (weight rows per program BN, x rows per block BM, K per step BK, warps, stages): the choice timed at
+# 2048 rows too; at 257 the grid's best differ per product (none beat cuBLAS)
 TILES = (128, 256, 64, 8, 3)
 STEP = 64  # K must be a multiple of every BK
 # the compute capabilities where the layers hand it their products: none (see the module's docstring)
@@ -87,8 +87,8 @@ def _wide_kernel(x_desc, tail_desc, w_desc, OUT, WORK, ARRIVED, M, N, K, splits,
         tl.debug_barrier()  # every thread's sums stored before the count says so (the atomic releases them)
         counter = ARRIVED + block * tl.num_programs(0) + tile
         if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
-            # the last to arrive re-reads its own sums too, [CHUNK, BN] at a time: a second [BN, BM] tile
-            # in registers beside acc would spill
+            # the last to arrive re-reads its own sums too, CHUNK rows at a time (no second [BN, BM] tile
+            # in registers beside acc)
             _sum_splits(WORK, OUT, block * BM, M, M, n, in_n, N, splits, stride_out, BM, ADD)
             if TAIL > 0:
                 _sum_splits(WORK, OUT, (block + 1) * BM, M, tl.where(block == tl.num_programs(1) - 1, M, 0), n,
