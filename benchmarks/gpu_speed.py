@@ -32,6 +32,7 @@ from workers.decoding.drafting import EagerDrafting, GraphDrafting, open_draftin
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import DFlashParams, TreeParams
 from workers.decoding.tree import build_tree, follow_tree
+from workers.models import lt_product
 from workers.models.runner.target import StaticTarget
 from workers.models.shapes import build_random_drafter, build_random_target
 from workers.seam import is_hybrid
@@ -106,7 +107,10 @@ def main() -> int:
     parser.add_argument("--wide-triton", action="store_true",
                         help="the layers' 256-272-row products by workers.models.wide_triton (off on every GPU: "
                              "benchmarks/wide_gemm.py), to time a pass with it")
+    parser.add_argument("--no-lt", action="store_true",
+                        help="torch's own products where workers.models.lt_product would time cuBLASLt's algorithms")
     args = parser.parse_args()
+    lt_product.ENABLED = not args.no_lt
     if args.wide_triton:
         from workers.models import wide_triton
 
@@ -234,7 +238,7 @@ def main() -> int:
     if split is not None:
         measured["split ratios"].append(measured["prefill split graphs"] / measured["prefill graph"])
     if args.only_forwards:
-        print("\n".join(lines + goal_lines(measured)))
+        print("\n".join(lines + goal_lines(measured) + lt_lines()))
         return 0
 
     # --- drafter and the host-side tree work ----------------------------------------------------------
@@ -314,8 +318,15 @@ def main() -> int:
         if split is not None:
             measured["split ratios"].append(split_ms / per_round[1])
         lines.append(f"{name:>18} {per_round[0]:>15.2f} {per_round[1]:>15.2f} {split_ms:>15.2f} {str(same):>12}")
-    print("\n".join(lines + goal_lines(measured)))
+    print("\n".join(lines + goal_lines(measured) + lt_lines()))
     return 0
+
+
+def lt_lines() -> list[str]:
+    """What ``lt_product`` timed and chose per product shape in this run (nothing with --no-lt)."""
+    chosen = lt_product.report()
+    return ["cuBLASLt per shape (lt_product: torch's call, the fastest offered algorithm, the choice):"] + chosen \
+        if chosen else []
 
 
 def goal_lines(measured: dict) -> list[str]:

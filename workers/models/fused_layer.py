@@ -197,11 +197,24 @@ def norm_linear(x: torch.Tensor, norm: nn.Module, weight: torch.Tensor, bias: to
 
 def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [q, K]; on CUDA one row by ``skinny_triton`` (it streams the
-    weight faster than cuBLAS's one-row kernels: ``benchmarks/skinny_gemm.py``) and a wide verify's
-    rows by ``wide_triton`` on the GPUs where it was timed faster (none yet: ``benchmarks/wide_gemm.py``)."""
+    weight faster than cuBLAS's one-row kernels: ``benchmarks/skinny_gemm.py``), a wide verify's rows
+    by ``wide_triton`` on the GPUs where it was timed faster (none yet: ``benchmarks/wide_gemm.py``),
+    and more than MOST_SKINNY rows by the cuBLASLt algorithm ``lt_product`` timed fastest for the shape."""
     if (x.shape[0] == 1 or x.shape[0] > MOST_SKINNY) and (kernel := triton_product(x, weight, bias)) is not None:
         return kernel(x, weight)
+    if bias is None and x.shape[0] > MOST_SKINNY and (out := lt_linear(x, weight)) is not None:
+        return out
     return F.linear(x, weight, bias)
+
+
+def lt_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``lt_product.linear`` on CUDA (x @ weight^T, or out += it, by the cuBLASLt algorithm timed fastest
+    for the shape), or None: torch's own call is the choice, or not CUDA."""
+    if not x.is_cuda:
+        return None
+    from workers.models import lt_product
+
+    return lt_product.linear(x, weight, out)
 
 
 MOST_SKINNY = 16  # skinny_triton.MOST_ROWS (not imported here: Triton is imported only where it runs)
@@ -240,10 +253,13 @@ def add_projection_(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear,
     With ``reduce`` (tensor parallel) linear(x) is this rank's partial sum: reduced first, then added.
     From 1 to 16 rows on CUDA the sum is ``skinny_triton``'s epilogue (cuBLAS runs split-K and a
     reduce there; the kernel's one-row form splits K too, the last split adding into the residual:
-    ``benchmarks/skinny_gemm.py``), and at a wide verify's rows ``wide_triton``'s where ``product``
-    takes it."""
+    ``benchmarks/skinny_gemm.py``), at a wide verify's rows ``wide_triton``'s where ``product``
+    takes it, and beyond 16 rows the cuBLASLt algorithm's of ``lt_linear``."""
     if reduce is None and (kernel := triton_product(x, linear.weight, linear.bias)) is not None:
         return kernel(x, linear.weight, out=residual)
+    if (reduce is None and linear.bias is None and x.shape[0] > MOST_SKINNY
+            and lt_linear(x, linear.weight, out=residual) is not None):
+        return residual
     if reduce is not None:
         return residual.add_(reduce(F.linear(x, linear.weight, linear.bias)))
     if linear.bias is not None:

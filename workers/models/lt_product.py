@@ -1,0 +1,228 @@
+"""Matrix products of many rows through cuBLASLt, with the algorithm timed fastest for each shape on
+this GPU (CUDA only; ``nvmath-python``'s bindings of the cuBLASLt C API, the ``gpu`` extra).
+
+out [M, N] = x [M, K] @ weight [N, K]^T, or out += it in place. torch's ``F.linear`` runs cuBLAS's
+heuristic first pick, and at a wide verify's rows the heuristic's list holds faster ones for some
+products (``benchmarks/lt_gemm.py``; figures in ``benchmarks/results/wide_passes_h200.md``). So the
+first time ``linear`` sees a shape (rows, N, K, summed or not) outside a CUDA graph capture, it times
+torch's own call against each algorithm the heuristic offers, on this call's operands into a scratch
+output with the L2 flushed before each call (a pass reads each weight from memory), and keeps the
+fastest if it beats torch's by ``MARGIN``. The choice then stays for the process: a captured graph and
+an eager pass of one shape run the same algorithm, so the same bits. A shape first met inside a
+capture keeps torch's call (nothing can be timed there); ``capture`` runs its warm-ups first.
+
+In cuBLAS's column-major terms the product is D [N, M] = op(A) B with A the weight read transposed
+(K x N, leading dimension K), B x (K x M) and C = D = out (N x M): the "TN" form torch runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+ENABLED = True  # off: every caller runs torch's own product (``benchmarks/gpu_speed.py --no-lt``)
+MARGIN = 0.05  # an algorithm replaces torch's call only if this much faster (timing noise is ~1%)
+CANDIDATES = 8  # the heuristic's list is asked for this many (cuBLASLt 13.1 offers 8 at most here)
+WORKSPACE_BYTES = 32 << 20  # the most an offered algorithm may use (one buffer per device, shared)
+ALIGNMENT = 256  # bytes: cuBLASLt's heuristic assumes operands this aligned unless told otherwise
+TIMED_CALLS, ROUNDS = 5, 5  # calls per candidate per round; the median round counts
+FLUSH_BYTES = 128 << 20  # read before each timed call: more than an H200's 60 MB of L2
+OP_T = 1  # cublasOperation_t CUBLAS_OP_T
+
+
+@functools.cache
+def available() -> bool:
+    """nvmath-python is installed and loads cuBLASLt (its bindings load the library on first use)."""
+    try:
+        from nvmath.bindings import cublasLt
+
+        cublasLt.get_version()
+    except Exception:  # noqa: BLE001 - not installed, or no cuBLASLt it can load: torch's products then
+        return False
+    return True
+
+
+def _lt():
+    from nvmath.bindings import cublasLt
+
+    return cublasLt
+
+
+@functools.cache
+def _handle() -> int:
+    return _lt().create()  # no stream in it: ``run`` names torch's current one
+
+
+@functools.cache
+def _workspace(device: torch.device) -> torch.Tensor:
+    return torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+
+
+def _set(setter, target: int, attribute, value: np.ndarray) -> None:
+    setter(target, int(attribute), value.ctypes.data, value.nbytes)
+
+
+@dataclass
+class Algorithm:
+    """One cuBLASLt algorithm (its struct, copied out of the heuristic's list) and its workspace."""
+
+    data: object  # nvmath's MatmulAlgo: 64 bytes that cublasLtMatmul reads
+    workspace: int
+    source: str  # "heuristic #i": its place in the list
+
+    def config(self) -> dict[str, int]:
+        """Its id, tile, stages, split count, reduction scheme and cluster shape, as cuBLASLt numbers them."""
+        lt = _lt()
+        out = {}
+        for name in ("ID", "TILE_ID", "STAGES_ID", "SPLITK_NUM", "REDUCTION_SCHEME", "CLUSTER_SHAPE_ID"):
+            attribute = lt.MatmulAlgoConfigAttribute[name]
+            value = np.zeros(1, lt.get_matmul_algo_config_attribute_dtype(attribute))
+            written = np.zeros(1, np.uint64)
+            lt.matmul_algo_config_get_attribute(self.data.ptr, int(attribute), value.ctypes.data, value.nbytes,
+                                                written.ctypes.data)
+            out[name.lower()] = int(value[0])
+        return out
+
+    def describe(self) -> str:
+        c = self.config()
+        return (f"id {c['id']} tile {c['tile_id']} stages {c['stages_id']} split {c['splitk_num']} "
+                f"reduce {c['reduction_scheme']} cluster {c['cluster_shape_id']}")
+
+
+class LtProduct:
+    """The cuBLASLt descriptors of out [rows, width] (+)= x [rows, inner] @ weight [width, inner]^T."""
+
+    def __init__(self, rows: int, width: int, inner: int, dtype: torch.dtype, add: bool):
+        from nvmath import CudaDataType
+        from nvmath.bindings.cublas import ComputeType  # cublasComputeType_t (nvmath.ComputeType is another enum)
+
+        lt = _lt()
+        data_type = int({torch.bfloat16: CudaDataType.CUDA_R_16BF, torch.float16: CudaDataType.CUDA_R_16F}[dtype])
+        self.desc = lt.matmul_desc_create(int(ComputeType.COMPUTE_32F), int(CudaDataType.CUDA_R_32F))
+        _set(lt.matmul_desc_set_attribute, self.desc, lt.MatmulDescAttribute.TRANSA, np.array([OP_T], np.int32))
+        self.a = lt.matrix_layout_create(data_type, inner, width, inner)  # the weight, read transposed
+        self.b = lt.matrix_layout_create(data_type, inner, rows, inner)  # x
+        self.c = lt.matrix_layout_create(data_type, width, rows, width)  # out, as C and as D
+        self.alpha = np.ones(1, np.float32)  # host scalars: read when the call is made (or captured)
+        self.beta = np.array([1.0 if add else 0.0], np.float32)
+
+    def heuristic(self, count: int) -> list[Algorithm]:
+        """The algorithms cuBLASLt's heuristic offers for this shape, best first (its order)."""
+        lt = _lt()
+        preference = lt.matmul_preference_create()
+        try:
+            _set(lt.matmul_preference_set_attribute, preference, lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES,
+                 np.array([WORKSPACE_BYTES], np.uint64))
+            results = lt.MatmulHeuristicResult(count)
+            found = np.zeros(1, np.int32)
+            lt.matmul_algo_get_heuristic(_handle(), self.desc, self.a, self.b, self.c, self.c, preference, count,
+                                         results.ptr, found.ctypes.data)
+        finally:
+            lt.matmul_preference_destroy(preference)
+        size = lt.matmul_heuristic_result_dtype.itemsize
+        entries = np.frombuffer((ctypes.c_char * (size * count)).from_address(results.ptr),
+                                dtype=lt.matmul_heuristic_result_dtype)
+        offered = []
+        for index in range(int(found[0])):
+            if int(entries[index]["state"]) == 0:  # CUBLAS_STATUS_SUCCESS
+                algo = lt.MatmulAlgo()
+                ctypes.memmove(algo.ptr, results.ptr + index * size, lt.matmul_algo_dtype.itemsize)
+                offered.append(Algorithm(algo, int(entries[index]["workspace_size"]), f"heuristic #{index}"))
+        return offered
+
+    def run(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, algo: Algorithm) -> torch.Tensor:
+        """out (+)= x @ weight^T with ``algo`` on torch's current stream."""
+        _lt().matmul(_handle(), self.desc, self.alpha.ctypes.data, weight.data_ptr(), self.a, x.data_ptr(), self.b,
+                     self.beta.ctypes.data, out.data_ptr(), self.c, out.data_ptr(), self.c, algo.data.ptr,
+                     _workspace(out.device).data_ptr(), WORKSPACE_BYTES, torch.cuda.current_stream().cuda_stream)
+        return out
+
+
+# (device index, rows, N, K, summed, dtype) -> (descriptors, algorithm), or None: torch's own call
+_CHOSEN: dict[tuple, tuple[LtProduct, Algorithm] | None] = {}
+# the same keys -> (torch's call, the fastest offered algorithm: ms per TIMED_CALLS calls, its place)
+_TIMES: dict[tuple, tuple[float, float, str]] = {}
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> bool:
+    """CUDA, half precision, rows contiguous and aligned as the heuristic assumes, nvmath installed."""
+    tensors = (x, weight) if out is None else (x, weight, out)
+    return (ENABLED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2
+            and all(t.dtype == x.dtype and t.is_contiguous() and t.data_ptr() % ALIGNMENT == 0 for t in tensors)
+            and available())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x @ weight^T, or out += it in place (``out`` given), by the algorithm chosen for this shape; None
+    where torch's own call is the choice (the caller runs it) or ``takes`` refuses the operands."""
+    if not takes(x, weight, out):
+        return None
+    rows, width = x.shape[0], weight.shape[0]
+    key = (x.device.index, rows, width, x.shape[1], out is not None, x.dtype)
+    if key not in _CHOSEN:
+        _CHOSEN[key] = None if torch.cuda.is_current_stream_capturing() else _choose(x, weight, out is not None)
+    chosen = _CHOSEN[key]
+    if chosen is None:
+        return None
+    plan, algo = chosen
+    return plan.run(x, weight, out if out is not None else x.new_empty(rows, width), algo)
+
+
+def _choose(x: torch.Tensor, weight: torch.Tensor, add: bool) -> tuple[LtProduct, Algorithm] | None:
+    """Time torch's call and each offered algorithm on these operands; the fastest algorithm if it
+    beats torch's by MARGIN, else None."""
+    plan = LtProduct(x.shape[0], weight.shape[0], x.shape[1], x.dtype, add)
+    offered = [algo for algo in plan.heuristic(CANDIDATES) if algo.workspace <= WORKSPACE_BYTES]
+    if not offered:
+        return None
+    scratch = x.new_zeros(x.shape[0], weight.shape[0])
+
+    def torch_call():
+        return scratch.addmm_(x, weight.t()) if add else torch.mm(x, weight.t(), out=scratch)
+
+    calls = [torch_call] + [functools.partial(plan.run, x, weight, scratch, algo) for algo in offered]
+    times = time_calls(calls, x.device)
+    best = min(range(1, len(calls)), key=times.__getitem__)
+    _TIMES[(x.device.index, x.shape[0], weight.shape[0], x.shape[1], add, x.dtype)] = (
+        times[0], times[best], offered[best - 1].source)
+    return (plan, offered[best - 1]) if times[best] < (1 - MARGIN) * times[0] else None
+
+
+def report() -> list[str]:
+    """A line per shape timed so far: torch's call against the fastest offered algorithm, and the choice."""
+    lines = []
+    for key, (torch_ms, best_ms, source) in _TIMES.items():
+        _, rows, width, inner, add, _ = key
+        chosen = _CHOSEN.get(key)
+        shape = f"{rows:>5} x {width:>6} x {inner:>6}{' +=' if add else '   '}"
+        lines.append(f"{shape}  torch {torch_ms / TIMED_CALLS * 1e3:7.1f} us  {source:>12} "
+                     f"{best_ms / TIMED_CALLS * 1e3:7.1f} us  -> "
+                     + (chosen[1].describe() if chosen else "torch's call"))
+    return lines
+
+
+def time_calls(calls: list, device: torch.device) -> list[float]:
+    """Each call's median over ROUNDS of the sum of TIMED_CALLS runs (milliseconds, by CUDA events), a
+    buffer larger than the L2 read before each run (read, not written: written lines would be written
+    back during the timed call); the rounds interleave the calls, so a drift of the clocks hits all."""
+    flush = torch.zeros(FLUSH_BYTES // 2, dtype=torch.float16, device=device)
+    for call in calls:  # first use: lazy set-up, workspace
+        call()
+    rounds = []
+    for _ in range(ROUNDS):
+        events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                   for _ in range(TIMED_CALLS)] for _ in calls]
+        torch.cuda._sleep(5_000_000)  # queue what follows behind it: the host's launch time is not timed
+        for call, pairs in zip(calls, events):
+            for begin, end in pairs:
+                flush.amax()
+                begin.record()
+                call()
+                end.record()
+        torch.cuda.synchronize(device)
+        rounds.append([sum(begin.elapsed_time(end) for begin, end in pairs) for pairs in events])
+    return [sorted(r[i] for r in rounds)[ROUNDS // 2] for i in range(len(calls))]
