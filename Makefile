@@ -21,7 +21,8 @@ PYTHON ?= python3
 CPU_TORCH := torch==2.13.0
 TORCH ?= $(CPU_TORCH)
 # with any other torch (a CUDA machine) the gpu extra too: fla-core's tensor-core chunked Gated DeltaNet
-# for the hybrids' prompts (pyproject.toml); the CPU build never runs it
+# for the hybrids' prompts, nvmath-python's cuBLASLt for the per-shape product choice (pyproject.toml);
+# the CPU build never runs them
 COMMA := ,
 EXTRAS := $(if $(filter $(CPU_TORCH),$(TORCH)),test,test$(COMMA)gpu)
 VENV := .venv

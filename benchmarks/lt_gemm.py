@@ -47,8 +47,8 @@ def split_variants(plan: LtProduct, offered: list[Algorithm]) -> list[Algorithm]
             lt_product._set(lt.matmul_algo_config_set_attribute, algo.ptr, lt.MatmulAlgoConfigAttribute[name],
                             np.array([value], np.uint32))
         try:
-            lt.matmul_algo_check(lt_product._handle(), plan.desc, plan.a, plan.b, plan.c, plan.c, algo.ptr,
-                                 check.ctypes.data)
+            lt.matmul_algo_check(lt_product._handle(torch.cuda.current_device()), plan.desc, plan.a, plan.b,
+                                 plan.c, plan.c, algo.ptr, check.ctypes.data)
         except lt.cuBLASLtError:
             continue
         if int(check[0]["workspace_size"]) <= lt_product.WORKSPACE_BYTES:

@@ -27,10 +27,11 @@ import torch
 ENABLED = True  # off: every caller runs torch's own product (``benchmarks/gpu_speed.py --no-lt``)
 MARGIN = 0.05  # an algorithm replaces torch's call only if this much faster (timing noise is ~1%)
 CANDIDATES = 8  # the heuristic's list is asked for this many (cuBLASLt 13.1 offers 8 at most here)
-WORKSPACE_BYTES = 32 << 20  # the most an offered algorithm may use (one buffer per device, shared)
+WORKSPACE_BYTES = 32 << 20  # the most an offered algorithm may use (one buffer per device, shared, made
+# when the first algorithm that uses one is timed: outside any capture, and never moved after)
 ALIGNMENT = 256  # bytes: cuBLASLt's heuristic assumes operands this aligned unless told otherwise
 TIMED_CALLS, ROUNDS = 5, 5  # calls per candidate per round; the median round counts
-FLUSH_BYTES = 128 << 20  # read before each timed call: more than an H200's 60 MB of L2
+FLUSH_L2S = 2  # a buffer of twice the GPU's L2 is read before each timed call
 OP_T = 1  # cublasOperation_t CUBLAS_OP_T
 
 
@@ -53,8 +54,9 @@ def _lt():
 
 
 @functools.cache
-def _handle() -> int:
-    return _lt().create()  # no stream in it: ``run`` names torch's current one
+def _handle(device_index: int) -> int:
+    with torch.cuda.device(device_index):  # one per GPU, made on it; no stream in it: ``run`` names torch's
+        return _lt().create()
 
 
 @functools.cache
@@ -111,15 +113,16 @@ class LtProduct:
         self.beta = np.array([1.0 if add else 0.0], np.float32)
 
     def heuristic(self, count: int) -> list[Algorithm]:
-        """The algorithms cuBLASLt's heuristic offers for this shape, best first (its order)."""
+        """The algorithms cuBLASLt's heuristic offers for this shape on the current GPU, best first."""
         lt = _lt()
+        handle = _handle(torch.cuda.current_device())
         preference = lt.matmul_preference_create()
         try:
             _set(lt.matmul_preference_set_attribute, preference, lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES,
                  np.array([WORKSPACE_BYTES], np.uint64))
             results = lt.MatmulHeuristicResult(count)
             found = np.zeros(1, np.int32)
-            lt.matmul_algo_get_heuristic(_handle(), self.desc, self.a, self.b, self.c, self.c, preference, count,
+            lt.matmul_algo_get_heuristic(handle, self.desc, self.a, self.b, self.c, self.c, preference, count,
                                          results.ptr, found.ctypes.data)
         finally:
             lt.matmul_preference_destroy(preference)
@@ -136,9 +139,11 @@ class LtProduct:
 
     def run(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, algo: Algorithm) -> torch.Tensor:
         """out (+)= x @ weight^T with ``algo`` on torch's current stream."""
-        _lt().matmul(_handle(), self.desc, self.alpha.ctypes.data, weight.data_ptr(), self.a, x.data_ptr(), self.b,
-                     self.beta.ctypes.data, out.data_ptr(), self.c, out.data_ptr(), self.c, algo.data.ptr,
-                     _workspace(out.device).data_ptr(), WORKSPACE_BYTES, torch.cuda.current_stream().cuda_stream)
+        device = out.device  # x's, the weight's: a split target's later layers sit on another GPU
+        workspace, size = (_workspace(device).data_ptr(), WORKSPACE_BYTES) if algo.workspace else (0, 0)
+        _lt().matmul(_handle(device.index), self.desc, self.alpha.ctypes.data, weight.data_ptr(), self.a,
+                     x.data_ptr(), self.b, self.beta.ctypes.data, out.data_ptr(), self.c, out.data_ptr(), self.c,
+                     algo.data.ptr, workspace, size, torch.cuda.current_stream(device).cuda_stream)
         return out
 
 
@@ -163,8 +168,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = Non
         return None
     rows, width = x.shape[0], weight.shape[0]
     key = (x.device.index, rows, width, x.shape[1], out is not None, x.dtype)
-    if key not in _CHOSEN:
-        _CHOSEN[key] = None if torch.cuda.is_current_stream_capturing() else _choose(x, weight, out is not None)
+    with torch.cuda.device(x.device):  # the timing's events and streams: the operands' GPU, not the current one
+        if key not in _CHOSEN:
+            _CHOSEN[key] = None if torch.cuda.is_current_stream_capturing() else _choose(x, weight, out is not None)
     chosen = _CHOSEN[key]
     if chosen is None:
         return None
@@ -209,7 +215,8 @@ def time_calls(calls: list, device: torch.device) -> list[float]:
     """Each call's median over ROUNDS of the sum of TIMED_CALLS runs (milliseconds, by CUDA events), a
     buffer larger than the L2 read before each run (read, not written: written lines would be written
     back during the timed call); the rounds interleave the calls, so a drift of the clocks hits all."""
-    flush = torch.zeros(FLUSH_BYTES // 2, dtype=torch.float16, device=device)
+    l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 << 20
+    flush = torch.zeros(FLUSH_L2S * l2_bytes // 2, dtype=torch.float16, device=device)
     for call in calls:  # first use: lazy set-up, workspace
         call()
     rounds = []
