@@ -4,12 +4,15 @@ this GPU (CUDA only; ``nvmath-python``'s bindings of the cuBLASLt C API, the ``g
 out [M, N] = x [M, K] @ weight [N, K]^T, or out += it in place. torch's ``F.linear`` runs cuBLAS's
 heuristic first pick, and at a wide verify's rows the heuristic's list holds faster ones for some
 products (``benchmarks/lt_gemm.py``; figures in ``benchmarks/results/wide_passes_h200.md``). So the
-first time ``linear`` sees a shape (rows, N, K, summed or not) outside a CUDA graph capture, it times
-torch's own call against each algorithm the heuristic offers, on this call's operands into a scratch
-output with the L2 flushed before each call (a pass reads each weight from memory), and keeps the
-fastest if it beats torch's by ``MARGIN``. The choice then stays for the process: a captured graph and
-an eager pass of one shape run the same algorithm, so the same bits. A shape first met inside a
-capture keeps torch's call (nothing can be timed there); ``capture`` runs its warm-ups first.
+first time ``linear`` sees a shape (rows, N, K, summed or not) inside ``choosing()``, it times torch's
+own call against each algorithm the heuristic offers, on this call's operands into a scratch output
+with the L2 flushed before each call (a pass reads each weight from memory), and keeps the fastest if
+it beats torch's by ``MARGIN``. ``graph_cache.capture`` runs its warm-up calls inside ``choosing()``,
+so the passes that replay as graphs (verify widths, full prompt chunks, the drafter's) are timed
+there, before any timed run. A shape first met anywhere else keeps torch's call: a prompt's last
+partial chunk runs eagerly at the prompt's length, and timing each new length would land in timed
+runs (an AR baseline's among them). Either way the choice stays for the process: a captured graph and
+an eager pass of one shape run the same algorithm, so the same bits.
 
 In cuBLAS's column-major terms the product is D [N, M] = op(A) B with A the weight read transposed
 (K x N, leading dimension K), B x (K x M) and C = D = out (N x M): the "TN" form torch runs.
@@ -17,8 +20,10 @@ In cuBLAS's column-major terms the product is D [N, M] = op(A) B with A the weig
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -147,6 +152,20 @@ class LtProduct:
         return out
 
 
+_choosing = 0  # how many ``choosing()`` blocks are open
+
+
+@contextlib.contextmanager
+def choosing() -> Iterator[None]:
+    """Inside: a product shape met for the first time (outside a capture) is timed and its algorithm chosen."""
+    global _choosing
+    _choosing += 1
+    try:
+        yield
+    finally:
+        _choosing -= 1
+
+
 # (device index, rows, N, K, summed, dtype) -> (descriptors, algorithm), or None: torch's own call
 _CHOSEN: dict[tuple, tuple[LtProduct, Algorithm] | None] = {}
 # the same keys -> (torch's call, the fastest offered algorithm: ms per TIMED_CALLS calls, its place)
@@ -170,7 +189,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = Non
     key = (x.device.index, rows, width, x.shape[1], out is not None, x.dtype)
     with torch.cuda.device(x.device):  # the timing's events and streams: the operands' GPU, not the current one
         if key not in _CHOSEN:
-            _CHOSEN[key] = None if torch.cuda.is_current_stream_capturing() else _choose(x, weight, out is not None)
+            timed = _choosing and not torch.cuda.is_current_stream_capturing()
+            _CHOSEN[key] = _choose(x, weight, out is not None) if timed else None
     chosen = _CHOSEN[key]
     if chosen is None:
         return None

@@ -1,7 +1,9 @@
-"""cuBLASLt products with a timed choice of algorithm (``workers.models.lt_product``) on a GPU against
-torch's own (GPU only, with nvmath-python; skipped elsewhere): every algorithm the heuristic offers
+"""cuBLASLt products with a timed choice of algorithm (``workers.models.lt_product``) against torch's
+own. On a GPU with nvmath-python (GPU-marked, skipped elsewhere): every algorithm the heuristic offers
 computes the product, the layers' calls take the chosen one, a choice stays for the process (the same
-bits eagerly and in a replayed graph), and a shape first met inside a capture keeps torch's call.
+bits eagerly and in a replayed graph), shapes are timed only inside ``choosing()`` (a graph capture's
+warm-ups), and a shape first met elsewhere or inside a capture keeps torch's call. On any machine: the
+CPU path never reaches it.
 """
 
 from __future__ import annotations
@@ -11,21 +13,47 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+from workers.models import lt_product
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.fixture
-def lt(monkeypatch):
-    from workers.models import lt_product
-
-    if not lt_product.available():
-        pytest.skip("needs nvmath-python (the gpu extra)")
+def fresh(monkeypatch):
+    """lt_product with no choices made yet (restored after the test)."""
     monkeypatch.setattr(lt_product, "_CHOSEN", {})
     monkeypatch.setattr(lt_product, "_TIMES", {})
     return lt_product
+
+
+@pytest.fixture
+def lt(fresh):
+    if not fresh.available():
+        pytest.skip("needs nvmath-python (the gpu extra)")
+    return fresh
+
+
+def test_the_cpu_path_never_reaches_it(fresh):
+    """Products of many rows on the CPU are torch's, whether or not shapes are being chosen."""
+    from workers.models.fused_layer import add_projection_, product
+
+    x, weight = torch.randn(40, 24), torch.randn(32, 24)
+    with fresh.choosing():
+        assert torch.equal(product(x, weight), F.linear(x, weight))
+        residual = torch.randn(40, 32)
+        down = nn.Linear(24, 32, bias=False)
+        assert torch.allclose(add_projection_(residual.clone(), x, down), residual + F.linear(x, down.weight))
+    assert not fresh.takes(x, weight) and fresh.linear(x, weight) is None
+    assert fresh._CHOSEN == {}
+
+
+def test_choosing_nests():
+    assert lt_product._choosing == 0
+    with lt_product.choosing():
+        with lt_product.choosing():
+            assert lt_product._choosing == 2
+        assert lt_product._choosing == 1
+    assert lt_product._choosing == 0
 
 
 def relative(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -40,6 +68,8 @@ def operands(rows: int, width: int, inner: int, seed: int = 0):
     return x, weight, residual
 
 
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("rows", [17, 257])
 @pytest.mark.parametrize(("width", "inner"), [(4096, 12288), (6144, 4096), (1000, 4096)])
 @pytest.mark.parametrize("add", [False, True])
@@ -57,20 +87,23 @@ def test_every_offered_algorithm_computes_the_product(lt, rows, width, inner, ad
         assert relative(plan.run(x, weight, out, algo), want) < 1e-2, algo.describe()
 
 
+@pytest.mark.gpu
+@needs_cuda
 @torch.inference_mode()
 def test_the_layers_calls_take_the_chosen_algorithm_and_keep_it(lt, monkeypatch):
     """With every algorithm counted faster (MARGIN below -1), ``product`` and ``add_projection_`` at 257
-    rows run cuBLASLt's: right results, one choice per shape, and the same bits on later calls and in a
-    replayed CUDA graph."""
+    rows, met first inside ``choosing()``, run cuBLASLt's: right results, one choice per shape, and the
+    same bits on later calls (outside it) and in a replayed CUDA graph."""
     from workers.models.fused_layer import add_projection_, product
 
     monkeypatch.setattr(lt, "MARGIN", -1.0)
     x, weight, residual = operands(257, 4096, 4096)
-    got = product(x, weight)
-    assert relative(got, F.linear(x, weight)) < 1e-2
     down = nn.Linear(4096, 4096, bias=False, device="cuda", dtype=torch.bfloat16)
     start = residual.clone()
-    summed = add_projection_(residual, x, down)
+    with lt.choosing():
+        got = product(x, weight)
+        summed = add_projection_(residual, x, down)
+    assert relative(got, F.linear(x, weight)) < 1e-2
     assert summed is residual and relative(summed, start.clone().addmm_(x, down.weight.t())) < 1e-2
     assert len(lt._CHOSEN) == 2 and all(chosen is not None for chosen in lt._CHOSEN.values())
     assert len(lt.report()) == 2
@@ -92,22 +125,53 @@ def test_the_layers_calls_take_the_chosen_algorithm_and_keep_it(lt, monkeypatch)
         assert torch.equal(outputs["product"], got) and torch.equal(outputs["sum"], summed)
 
 
+@pytest.mark.gpu
+@needs_cuda
 @torch.inference_mode()
-def test_a_shape_first_met_in_a_capture_keeps_torchs_call(lt):
+def test_a_graph_captures_warm_ups_choose_and_its_replays_use_the_choice(lt, monkeypatch):
+    """``graph_cache.capture``: the warm-up calls time a shape not met before; the replayed graph then
+    gives what an eager call of the same shape gives, bit for bit."""
+    from workers.models.fused_layer import product
+    from workers.models.graph_cache import capture
+
+    monkeypatch.setattr(lt, "MARGIN", -1.0)
+    x, weight, _ = operands(129, 2048, 1024)
+    graph, out = capture(lambda: product(x, weight))
+    ((key, chosen),) = lt._CHOSEN.items()
+    assert key[1:4] == (129, 2048, 1024) and chosen is not None and key in lt._TIMES
+    graph.replay()
+    assert torch.equal(out, product(x, weight)) and relative(out, F.linear(x, weight)) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@torch.inference_mode()
+def test_a_shape_first_met_outside_choosing_or_in_a_capture_keeps_torchs_call(lt, monkeypatch):
+    """A prompt's last chunk (any length, eagerly) must not be timed inside timed runs; nothing can be
+    timed inside a capture; and either decision stays, inside ``choosing()`` later too."""
+    monkeypatch.setattr(lt, "MARGIN", -1.0)
     x, weight, _ = operands(33, 1024, 1024)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    assert lt.linear(x, weight) is None
+    with lt.choosing():
         assert lt.linear(x, weight) is None
-    assert lt._CHOSEN == {(x.device.index, 33, 1024, 1024, False, torch.bfloat16): None}
-    assert lt.linear(x, weight) is None  # and stays so outside it: graphs and eager passes agree
+    assert lt._CHOSEN == {(x.device.index, 33, 1024, 1024, False, torch.bfloat16): None} and not lt._TIMES
+
+    y, other, _ = operands(34, 1024, 1024)
+    graph = torch.cuda.CUDAGraph()
+    with lt.choosing(), torch.cuda.graph(graph):
+        assert lt.linear(y, other) is None
+    assert lt._CHOSEN[(y.device.index, 34, 1024, 1024, False, torch.bfloat16)] is None
 
 
+@pytest.mark.gpu
+@needs_cuda
 @torch.inference_mode()
 def test_the_choice_beats_torch_by_the_margin_or_is_torchs(lt):
     """An honest timing (the module's own margin): whatever it keeps, it timed faster than torch's call by
     MARGIN; what it does not keep runs torch's call."""
     x, weight, _ = operands(257, 4096, 12288)
-    result = lt.linear(x, weight)
+    with lt.choosing():
+        result = lt.linear(x, weight)
     ((key, chosen),) = lt._CHOSEN.items()
     torch_ms, best_ms, _ = lt._TIMES[key]
     if chosen is None:
@@ -116,6 +180,8 @@ def test_the_choice_beats_torch_by_the_margin_or_is_torchs(lt):
         assert best_ms < (1 - lt.MARGIN) * torch_ms and relative(result, F.linear(x, weight)) < 1e-2
 
 
+@pytest.mark.gpu
+@needs_cuda
 @torch.inference_mode()
 def test_operands_it_cannot_take_go_to_torch(lt, monkeypatch):
     x, weight, _ = operands(64, 512, 512)
@@ -124,6 +190,7 @@ def test_operands_it_cannot_take_go_to_torch(lt, monkeypatch):
     assert not lt.takes(x.t().contiguous().t(), weight)  # columns contiguous
     assert not lt.takes(x[:, 1:-7], weight[:, 1:-7])  # rows not contiguous
     assert not lt.takes(x.cpu(), weight.cpu())
-    assert lt.linear(x.float(), weight.float()) is None and not lt._CHOSEN
+    with lt.choosing():
+        assert lt.linear(x.float(), weight.float()) is None and not lt._CHOSEN
     monkeypatch.setattr(lt, "ENABLED", False)
     assert not lt.takes(x, weight)
