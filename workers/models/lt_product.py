@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 ENABLED = True  # off: every caller runs torch's own product (``benchmarks/gpu_speed.py --no-lt``)
-MARGIN = 0.05  # an algorithm replaces torch's call only if this much faster (timing noise is ~1%)
+MARGIN = 0.05  # an algorithm replaces torch's call only if this much faster (a margin over the timing noise)
 CANDIDATES = 8  # the heuristic's list is asked for this many (cuBLASLt 13.1 offers 8 at most here)
 WORKSPACE_BYTES = 32 << 20  # the most an offered algorithm may use (one buffer per device, shared, made
 # when the first algorithm that uses one is timed: outside any capture, and never moved after)
@@ -168,6 +168,7 @@ def choosing() -> Iterator[None]:
 
 # (device index, rows, N, K, summed, dtype) -> (descriptors, algorithm), or None: torch's own call
 _CHOSEN: dict[tuple, tuple[LtProduct, Algorithm] | None] = {}
+_UNSEEN = object()
 # the same keys -> (torch's call, the fastest offered algorithm: ms per TIMED_CALLS calls, its place)
 _TIMES: dict[tuple, tuple[float, float, str]] = {}
 
@@ -183,17 +184,19 @@ def takes(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None
 def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """x @ weight^T, or out += it in place (``out`` given), by the algorithm chosen for this shape; None
     where torch's own call is the choice (the caller runs it) or ``takes`` refuses the operands."""
-    if not takes(x, weight, out):
+    if not (ENABLED and x.is_cuda and x.dim() == 2):
         return None
     rows, width = x.shape[0], weight.shape[0]
     key = (x.device.index, rows, width, x.shape[1], out is not None, x.dtype)
-    with torch.cuda.device(x.device):  # the timing's events and streams: the operands' GPU, not the current one
-        if key not in _CHOSEN:
-            timed = _choosing and not torch.cuda.is_current_stream_capturing()
-            _CHOSEN[key] = _choose(x, weight, out is not None) if timed else None
-    chosen = _CHOSEN[key]
-    if chosen is None:
+    chosen = _CHOSEN.get(key, _UNSEEN)
+    if chosen is None or not takes(x, weight, out):  # the common case of an eager pass first: no more checks
         return None
+    if chosen is _UNSEEN:
+        with torch.cuda.device(x.device):  # the timing's events and streams: the operands' GPU, not the current one
+            timed = _choosing and not torch.cuda.is_current_stream_capturing()
+            chosen = _CHOSEN[key] = _choose(x, weight, out is not None) if timed else None
+        if chosen is None:
+            return None
     plan, algo = chosen
     return plan.run(x, weight, out if out is not None else x.new_empty(rows, width), algo)
 
