@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from forward_anatomy import replay_us  # a sibling script: benchmarks/ is on sys.path
 from gpu_speed import copy_bandwidth, matmul_rate
-from skinny_gemm import projections
+from wide_gemm import cases
 
 from workers.models import lt_product
 from workers.models.lt_product import Algorithm, LtProduct
@@ -69,56 +69,46 @@ def main() -> int:
     bandwidth, rate = copy_bandwidth(), matmul_rate()
     print(f"{args.shape}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 8192^3 product {rate / 1e12:.0f} TFLOP/s",
           flush=True)
-    chosen = [name for name in args.only.split(",") if name]
-    for name, (width, inner, around) in projections(args.shape).items():
-        if chosen and name not in chosen:
-            continue
-        add = around == "residual"
-        weights = [torch.randn(width, inner, device="cuda", dtype=torch.bfloat16) * inner**-0.5
-                   for _ in range(args.copies)]
-        for rows in (int(r) for r in args.rows.split(",")):
-            x = torch.randn(rows, inner, device="cuda", dtype=torch.bfloat16)
-            out = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
-            floor = max(width * inner * 2 / bandwidth, 2 * rows * width * inner / rate) * 1e6
-            turn = itertools.cycle(weights)
-            plan = LtProduct(rows, width, inner, torch.bfloat16, add)
+    for case in cases(args.shape, args.rows, args.copies, args.only, bandwidth, rate):
+        name, width, inner, add, rows, x, out, floor = (case.name, case.width, case.inner, case.add, case.rows,
+                                                        case.x, case.out, case.floor_us)
+        weights, turn = case.weights, case.turn()
+        plan = LtProduct(rows, width, inner, torch.bfloat16, add)
 
-            def cublas(weight):
-                return out.addmm_(x, weight.t()) if add else torch.mm(x, weight.t(), out=out)
+        def cublas(weight):
+            return out.addmm_(x, weight.t()) if add else torch.mm(x, weight.t(), out=out)
 
-            baseline = replay_us(lambda: cublas(next(turn)))
-            offered = plan.heuristic(args.count)
-            candidates = offered + (split_variants(plan, offered) if args.splits else [])
-            timed = []
-            for algo in candidates:
-                try:
-                    us = replay_us(lambda a=algo: plan.run(x, next(turn), out, a), reps=5)
-                except Exception as error:  # noqa: BLE001 - a refused launch is one candidate fewer
-                    print(f"   {algo.source}: {type(error).__name__}: {error}", flush=True)
-                    continue
-                timed.append((us, algo))
-            timed.sort(key=lambda entry: entry[0])
-            if not timed:
-                print(f"{name:>8} M {rows}: cuBLAS {baseline:.1f} us; no cuBLASLt candidate ran "
-                      f"({len(candidates)} offered)", flush=True)
+        baseline = replay_us(lambda: cublas(next(turn)))
+        offered = plan.heuristic(args.count)
+        candidates = offered + (split_variants(plan, offered) if args.splits else [])
+        timed = []
+        for algo in candidates:
+            try:
+                us = replay_us(lambda a=algo: plan.run(x, next(turn), out, a), reps=5)
+            except Exception as error:  # noqa: BLE001 - a refused launch is one candidate fewer
+                print(f"   {algo.source}: {type(error).__name__}: {error}", flush=True)
                 continue
-            kept = out.clone()
-            want = (out.addmm_(x, weights[0].t()) if add else F.linear(x, weights[0])).float()
-            out.copy_(kept)
-            got = plan.run(x, weights[0], out, timed[0][1]).float()
-            out.copy_(kept)
-            diff = ((got - want).norm() / want.norm()).item()
-            chooser = lt_product._choose(x, weights[0], add)  # what the layers would run
-            heuristic_first = next((us for us, a in timed if a.source == "heuristic #0"), float("nan"))
-            print(f"{name:>8} N {width} K {inner} M {rows}: floor {floor:.1f} us; cuBLAS {baseline:.1f} "
-                  f"({baseline / floor:.2f}x); heuristic #0 {heuristic_first:.1f}; "
-                  f"{len(timed)} timed, rel diff of the best {diff:.1e}; lt_product chooses "
-                  f"{chooser[1].source if chooser else 'torch'}", flush=True)
-            for us, algo in timed[:3]:
-                print(f"         {us:7.1f} us {us / floor:5.2f}x  {algo.source:>13}  ws {algo.workspace >> 10} KB  "
-                      f"{algo.describe()}", flush=True)
-        del weights
-        torch.cuda.empty_cache()
+            timed.append((us, algo))
+        timed.sort(key=lambda entry: entry[0])
+        if not timed:
+            print(f"{name:>8} M {rows}: cuBLAS {baseline:.1f} us; no cuBLASLt candidate ran "
+                  f"({len(candidates)} offered)", flush=True)
+            continue
+        kept = out.clone()
+        want = (out.addmm_(x, weights[0].t()) if add else F.linear(x, weights[0])).float()
+        out.copy_(kept)
+        got = plan.run(x, weights[0], out, timed[0][1]).float()
+        out.copy_(kept)
+        diff = ((got - want).norm() / want.norm()).item()
+        chooser = lt_product._choose(x, weights[0], add)  # what the layers would run
+        heuristic_first = next((us for us, a in timed if a.source == "heuristic #0"), float("nan"))
+        print(f"{name:>8} N {width} K {inner} M {rows}: floor {floor:.1f} us; cuBLAS {baseline:.1f} "
+              f"({baseline / floor:.2f}x); heuristic #0 {heuristic_first:.1f}; "
+              f"{len(timed)} timed, rel diff of the best {diff:.1e}; lt_product chooses "
+              f"{chooser[1].source if chooser else 'torch'}", flush=True)
+        for us, algo in timed[:3]:
+            print(f"         {us:7.1f} us {us / floor:5.2f}x  {algo.source:>13}  ws {algo.workspace >> 10} KB  "
+                  f"{algo.describe()}", flush=True)
     return 0
 
 

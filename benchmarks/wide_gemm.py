@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +40,44 @@ GRID = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 256, 128, 8, 2), (64, 
         (128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (256, 128, 64, 8, 3), (64, 128, 64, 4, 4)]
 
 
+@dataclass
+class Case:
+    """One projection of a shape at one row count, with random bf16 operands."""
+
+    name: str
+    width: int  # N
+    inner: int  # K
+    add: bool  # summed into its output (the residual), else written
+    rows: int
+    x: torch.Tensor  # [rows, K]
+    out: torch.Tensor  # [rows, N]
+    weights: list[torch.Tensor]  # copies of the [N, K] weight, cycled through so that each call reads memory
+    floor_us: float  # the larger of the weight read and the arithmetic, at this run's rates
+
+    def turn(self) -> Iterator[torch.Tensor]:
+        return itertools.cycle(self.weights)
+
+
+def cases(shape: str, rows: str, copies: int, only: str, bandwidth: float, rate: float,
+          device: str = "cuda") -> Iterator[Case]:
+    """Each projection of ``shape`` (``skinny_gemm.projections``; ``only``: these comma-separated names)
+    at each of the comma-separated ``rows``; a projection's weight copies are dropped after its last case."""
+    chosen = [name for name in only.split(",") if name]
+    for name, (width, inner, around) in projections(shape).items():
+        if chosen and name not in chosen:
+            continue
+        weights = [torch.randn(width, inner, device=device, dtype=torch.bfloat16) * inner**-0.5
+                   for _ in range(copies)]
+        for count in (int(r) for r in rows.split(",")):
+            yield Case(name, width, inner, around == "residual", count,
+                       torch.randn(count, inner, device=device, dtype=torch.bfloat16),
+                       torch.randn(count, width, device=device, dtype=torch.bfloat16), weights,
+                       max(width * inner * 2 / bandwidth, 2 * count * width * inner / rate) * 1e6)
+        del weights
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
 @torch.inference_mode()
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -54,56 +94,46 @@ def main() -> int:
              else "the kernel's own tiles"))
     print(f"{'projection':>10} {'N':>6} {'K':>6} {'M':>4} {'floor us':>9} {'cuBLAS':>14} {'Lt':>7} {'Triton':>14} "
           f"{'splits':>6} {'best':>14} {'tiles, splits':>26} {'rel diff':>9}  next best", flush=True)
-    chosen = [name for name in args.only.split(",") if name]
-    for name, (width, inner, around) in projections(args.shape).items():
-        if chosen and name not in chosen:
-            continue
-        add = around == "residual"
-        weights = [torch.randn(width, inner, device="cuda", dtype=torch.bfloat16) * inner**-0.5
-                   for _ in range(args.copies)]
-        for rows in (int(r) for r in args.rows.split(",")):
-            x = torch.randn(rows, inner, device="cuda", dtype=torch.bfloat16)
-            out = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
-            floor = max(width * inner * 2 / bandwidth, 2 * rows * width * inner / rate) * 1e6
-            turn = itertools.cycle(weights)
+    for case in cases(args.shape, args.rows, args.copies, args.only, bandwidth, rate):
+        name, width, inner, add, rows, x, out, floor = (case.name, case.width, case.inner, case.add, case.rows,
+                                                        case.x, case.out, case.floor_us)
+        weights, turn = case.weights, case.turn()
 
-            def cublas(weight):
-                return out.addmm_(x, weight.t()) if add else F.linear(x, weight)
+        def cublas(weight):
+            return out.addmm_(x, weight.t()) if add else F.linear(x, weight)
 
-            def kernel(weight, tiles=None, splits=None):
-                return wide_linear(x, weight, out=out if add else None, tiles=tiles, splits=splits)
+        def kernel(weight, tiles=None, splits=None):
+            return wide_linear(x, weight, out=out if add else None, tiles=tiles, splits=splits)
 
-            baseline = replay_us(lambda: cublas(next(turn)))
-            torch.backends.cuda.preferred_blas_library("cublaslt")  # its heuristics, not cuBLAS's
-            lt = replay_us(lambda: cublas(next(turn)))
-            torch.backends.cuda.preferred_blas_library("cublas")
-            own = replay_us(lambda: kernel(next(turn)))
-            own_splits = split_count(-(-width // TILES[0]) * blocks_of(rows, TILES[1])[0], inner // TILES[2], x.device)
-            timed = []
-            for tiles in choices:
-                counts = sorted({1, 2, 3, 4, 6, 8} if tiles else {None}, key=lambda c: c or 0)
-                for splits in counts:
-                    if splits and splits > inner // tiles[2] // 4:
-                        continue
-                    try:
-                        us = replay_us(lambda t=tiles, c=splits: kernel(next(turn), t, c), reps=5)
-                    except (OutOfResources, PTXASError):  # too much shared memory, or registers
-                        continue
-                    timed.append((us, tiles, splits))
-            timed.sort(key=lambda entry: entry[0])
-            best_us, best_tiles, best_splits = timed[0]
-            kept = out.clone()
-            want = cublas(weights[0]).float()
-            out.copy_(kept)
-            got = kernel(weights[0], best_tiles, best_splits).float()
-            diff = ((got - want).norm() / want.norm()).item()
-            others = ", ".join(f"{us:.1f} {t} {c}" for us, t, c in timed[1:3])
-            print(f"{name:>10} {width:>6} {inner:>6} {rows:>4} {floor:>9.1f} "
-                  f"{baseline:>7.1f} {baseline / floor:>5.2f}x {lt:>7.1f} "
-                  f"{own:>7.1f} {own / floor:>5.2f}x {own_splits:>6} {best_us:>7.1f} {best_us / floor:>5.2f}x "
-                  f"{str((best_tiles, best_splits)):>26} {diff:>9.1e}  {others}", flush=True)
-        del weights
-        torch.cuda.empty_cache()
+        baseline = replay_us(lambda: cublas(next(turn)))
+        torch.backends.cuda.preferred_blas_library("cublaslt")  # its heuristics, not cuBLAS's
+        lt = replay_us(lambda: cublas(next(turn)))
+        torch.backends.cuda.preferred_blas_library("cublas")
+        own = replay_us(lambda: kernel(next(turn)))
+        own_splits = split_count(-(-width // TILES[0]) * blocks_of(rows, TILES[1])[0], inner // TILES[2], x.device)
+        timed = []
+        for tiles in choices:
+            counts = sorted({1, 2, 3, 4, 6, 8} if tiles else {None}, key=lambda c: c or 0)
+            for splits in counts:
+                if splits and splits > inner // tiles[2] // 4:
+                    continue
+                try:
+                    us = replay_us(lambda t=tiles, c=splits: kernel(next(turn), t, c), reps=5)
+                except (OutOfResources, PTXASError):  # too much shared memory, or registers
+                    continue
+                timed.append((us, tiles, splits))
+        timed.sort(key=lambda entry: entry[0])
+        best_us, best_tiles, best_splits = timed[0]
+        kept = out.clone()
+        want = cublas(weights[0]).float()
+        out.copy_(kept)
+        got = kernel(weights[0], best_tiles, best_splits).float()
+        diff = ((got - want).norm() / want.norm()).item()
+        others = ", ".join(f"{us:.1f} {t} {c}" for us, t, c in timed[1:3])
+        print(f"{name:>10} {width:>6} {inner:>6} {rows:>4} {floor:>9.1f} "
+              f"{baseline:>7.1f} {baseline / floor:>5.2f}x {lt:>7.1f} "
+              f"{own:>7.1f} {own / floor:>5.2f}x {own_splits:>6} {best_us:>7.1f} {best_us / floor:>5.2f}x "
+              f"{str((best_tiles, best_splits)):>26} {diff:>9.1e}  {others}", flush=True)
     return 0
 
 
