@@ -254,7 +254,7 @@ def add_projection_(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear,
     From 1 to 16 rows on CUDA the sum is ``skinny_triton``'s epilogue (cuBLAS runs split-K and a
     reduce there; the kernel's one-row form splits K too, the last split adding into the residual:
     ``benchmarks/skinny_gemm.py``), at a wide verify's rows ``wide_triton``'s where ``product``
-    takes it, and beyond 16 rows the cuBLASLt algorithm's of ``lt_linear``."""
+    takes it, and beyond 16 rows that of the cuBLASLt algorithm ``lt_linear`` chose for the shape."""
     if reduce is None and (kernel := triton_product(x, linear.weight, linear.bias)) is not None:
         return kernel(x, linear.weight, out=residual)
     if (reduce is None and linear.bias is None and x.shape[0] > MOST_SKINNY

@@ -47,8 +47,8 @@ def capture(fn: Callable[[], Any]) -> tuple[Any, Any]:
 
     Two warm-up calls run first on a side stream (lazy initialisation, allocator and library
     workspaces, the products' cuBLASLt algorithms: ``lt_product.choosing``), as torch's graph capture
-    requires. Returns (graph, fn's outputs as recorded); each
-    ``graph.replay()`` recomputes those outputs in place.
+    requires. Returns (graph, fn's outputs as recorded); each ``graph.replay()`` recomputes those
+    outputs in place.
     """
     import torch
 
