@@ -41,8 +41,6 @@ from workers.seam import is_hybrid
 
 QS = "1,16,64,128,256,512"
 BUDGETS = "16,64,256,1024"
-# issues 12 and 28's goals: (label, how this run's numbers give it, the bound: a number, or hybrid
-# shape -> number)
 def least_round(budget: int):
     """The least a DDTree round of ``budget`` nodes can cost against this run's DFlash round: this run's
     drafter pass, then a verify pass of budget + 1 rows at its floor (the larger of the weight read and
@@ -50,8 +48,8 @@ def least_round(budget: int):
     return lambda m: (m["drafter graph"] + max(m["floor W"], m["floor C per row"] * (budget + 1))) / m["round dflash"]
 
 
-# (label, this run's ratio, its bound, and for the rounds the least ratio this GPU allows: a bound below
-# it is out of reach with any kernels)
+# issues 12 and 28's goals: (label, how this run's numbers give it, the bound: a number, or hybrid shape ->
+# number, and for the rounds the least ratio this GPU allows: a bound below it is out of reach with any kernels)
 GOALS = (
     ("AR decode step / weight floor", lambda m: m["round ar"] / m["floor W"], {True: 1.2, False: 1.25}, None),
     ("verify q=257 tree / max(floors)", lambda m: m["verify 257 tree"] / max(m["floor W"], m["floor C 257"]), 1.4,
@@ -156,7 +154,7 @@ def measure(args: argparse.Namespace) -> int:
     measured["floor C per row"] = 2 * matmul_params / rate * 1e3
 
     def compute_floor_ms(q: int) -> float:
-        return 2 * matmul_params * q / rate * 1e3
+        return measured["floor C per row"] * q
 
     lines.append(f"{args.shape}: {weight_bytes / 1e9:.1f} GB bf16 weights, {matmul_params / 1e9:.1f}e9 matmul params; "
                  f"copy bandwidth {bandwidth / 1e12:.2f} TB/s -> weight floor {floor_ms:.2f} ms per forward; "
