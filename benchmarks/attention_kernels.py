@@ -33,6 +33,11 @@ CHOICES = [(None, None, None, None, None), (64, 64, 8, 2, None), (None, 32, 4, 2
            (64, 32, 8, 2, None), (32, 32, 4, 3, None), (None, 64, 4, 2, 16), (64, 64, 4, 2, 1),
            (128, 64, 8, 3, None), (128, 64, 8, 2, None), (64, 64, 4, 3, None), (128, 128, 8, 2, None)]
 
+# --grid: (rows per program, warps) pairs (one warp group of 4 per 64 rows, or two), keys per step,
+# stages, key splits
+GRID_ROWS_WARPS = ((32, 4), (64, 4), (64, 8), (128, 8))
+GRID_KEYS, GRID_STAGES, GRID_SPLITS = (32, 64), (2, 3), (1, 2, 3, 4)
+
 
 def label(choice) -> str:
     return "x".join(str(part or "auto") for part in choice[:4]) + f" splits {choice[4] or 'auto'}"
@@ -47,6 +52,9 @@ def main() -> int:
     parser.add_argument("--qs", default="257,1025")
     parser.add_argument("--choices", type=int, default=len(CHOICES), help="time only the first N of CHOICES")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--grid", action="store_true",
+                        help="instead of CHOICES, each pair of GRID_ROWS_WARPS with each of GRID_KEYS keys "
+                             "per step, GRID_STAGES stages and GRID_SPLITS key splits")
     args = parser.parse_args()
     shape = TARGETS[args.shape]
     kv_heads, dim = shape["num_key_value_heads"], shape["head_dim"]
@@ -68,7 +76,11 @@ def main() -> int:
               f"{replay_us(lambda: attend_folded(query, key, value, mask, dim**-0.5)):7.1f}")
         print(f"{q:>5} {rows:>5} {'no kernel, exact keys':>28} "
               f"{replay_us(lambda: attend_folded(query, key[:, :end], value[:, :end], mask[:, :end], dim**-0.5)):7.1f}")
-        for choice in CHOICES[: args.choices]:
+        choices = CHOICES[: args.choices]
+        if args.grid:
+            choices = [(rows_, keys_, warps_, stages_, splits_) for rows_, warps_ in GRID_ROWS_WARPS
+                       for keys_ in GRID_KEYS for stages_ in GRID_STAGES for splits_ in GRID_SPLITS]
+        for choice in choices:
             block, keys, warps, stages, splits = choice
 
             def call():

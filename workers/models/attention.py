@@ -49,9 +49,10 @@ def grouped_attention(
 
 def attend_folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                   scale: float, backends: list[SDPBackend] | None = None,
-                  slots: torch.Tensor | None = None) -> torch.Tensor:
+                  slots: torch.Tensor | None = None, nodes: int | None = None) -> torch.Tensor:
     """Softmax attention of folded rows: query [Hkv, R, D] over key/value [Hkv, C, D] with an
-    additive mask [R, C] (None: all visible) -> [Hkv, R, D].
+    additive mask [R, C] (None: all visible) -> [Hkv, R, D]; given ``nodes`` (R = g x nodes, row
+    i * nodes + t: query head i of the group, node t) -> [nodes, Hq * D], as o_proj reads it.
 
     Given the pass's K/V ``slots`` (every key after the last of them masked, every key before the
     first visible) and half-precision inputs on CUDA: ``attention_triton.attend_until``, which reads
@@ -67,17 +68,21 @@ def attend_folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
         from workers.models import attention_triton
 
         if attention_triton.supports(query, key):
-            out = attention_triton.attend_until(query, key, value, mask, slots, scale)
+            out = attention_triton.attend_until(query, key, value, mask, slots, scale, nodes=nodes)
             if out is not None:  # None: the GPU lacks the shared memory for its tiles
                 return out
     if query.shape[1] > SMALL_ATTENTION_ROWS:
         with sdpa_kernel(backends) if backends else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(query[None], key[None], value[None], attn_mask=mask, scale=scale)[0]
-    if mask is None:
-        scores = torch.bmm(query, key.transpose(1, 2)).mul_(scale)
+            out = F.scaled_dot_product_attention(query[None], key[None], value[None], attn_mask=mask, scale=scale)[0]
     else:
-        scores = torch.baddbmm(mask, query, key.transpose(1, 2), alpha=scale)  # [Hkv, R, C]
-    return torch.bmm(torch.softmax(scores, dim=-1), value)  # (half-precision softmax accumulates in float32)
+        if mask is None:
+            scores = torch.bmm(query, key.transpose(1, 2)).mul_(scale)
+        else:
+            scores = torch.baddbmm(mask, query, key.transpose(1, 2), alpha=scale)  # [Hkv, R, C]
+        out = torch.bmm(torch.softmax(scores, dim=-1), value)  # (half-precision softmax accumulates in float32)
+    if nodes is None:
+        return out
+    return out.reshape(-1, nodes, out.shape[-1]).transpose(0, 1).reshape(nodes, -1)  # [Hq, nodes, D] -> [nodes, Hq*D]
 
 
 def _transformers_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):

@@ -45,6 +45,15 @@ def tiles_for(dim: int) -> tuple[tuple[int, int, int, int], ...]:
 
 
 @triton.jit
+def _out_rows(head, r, nodes, out_head, out_group, out_node):
+    """Offsets in OUT of folded rows r = i * nodes + t (query head i of the K/V head's group, node t):
+    [Hkv, R, D] rows (out_head R * D, out_node D, nodes = R) or o_proj's [nodes, Hq * D] (out_head
+    g * D, out_group D, out_node Hq * D)."""
+    group = r // nodes
+    return head * out_head + group * out_group + (r - group * nodes) * out_node
+
+
+@triton.jit
 def _step(query, keys, values, masks, best, total, acc, start, hi, scale,
           BN: tl.constexpr, MASKED: tl.constexpr):
     """One tile of BN keys into the online softmax (best, total, acc); MASKED: add the mask's tile and
@@ -64,12 +73,13 @@ def _step(query, keys, values, masks, best, total, acc, start, hi, scale,
 
 @triton.jit
 def _attention_kernel(Q, K, V, MASK, SLOTS, OUT, PARTIAL, STATS, rows, last, k_head_stride, k_row_stride,
-                      mask_stride, scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      SPLITS: tl.constexpr):
-    """Program (row block, K/V head, split). Q / OUT [Hkv, R, D]; K / V rows at head * k_head_stride +
+                      mask_stride, scale, nodes, out_head, out_group, out_node, D: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr, SPLITS: tl.constexpr):
+    """Program (row block, K/V head, split). Q [Hkv, R, D]; K / V rows at head * k_head_stride +
     key * k_row_stride; MASK [R, C] additive, read only from the pass's first slot SLOTS[0] on (the
-    committed past before it is visible to every row); keys past SLOTS[last] are not read. With
-    SPLITS > 1: PARTIAL [SPLITS, Hkv, R, D] unnormalised float32 sums, STATS [SPLITS, Hkv, R, 2]
+    committed past before it is visible to every row); keys past SLOTS[last] are not read. Row
+    r = i * nodes + t of head h goes to OUT + h * out_head + i * out_group + t * out_node (``_out_rows``).
+    With SPLITS > 1: PARTIAL [SPLITS, Hkv, R, D] unnormalised float32 sums, STATS [SPLITS, Hkv, R, 2]
     (max, sum)."""
     block = tl.program_id(0)
     head = tl.program_id(1)
@@ -103,7 +113,8 @@ def _attention_kernel(Q, K, V, MASK, SLOTS, OUT, PARTIAL, STATS, rows, last, k_h
     d = tl.arange(0, D)
     in_rows = r < rows
     if SPLITS == 1:
-        tl.store(OUT + (head * rows + r[:, None]) * D + d[None, :], (acc / total[:, None]).to(OUT.dtype.element_ty),
+        at = _out_rows(head, r, nodes, out_head, out_group, out_node)
+        tl.store(OUT + at[:, None] + d[None, :], (acc / total[:, None]).to(OUT.dtype.element_ty),
                  mask=in_rows[:, None])
     else:
         at = (split * heads + head) * rows + r
@@ -113,11 +124,13 @@ def _attention_kernel(Q, K, V, MASK, SLOTS, OUT, PARTIAL, STATS, rows, last, k_h
 
 
 @triton.jit
-def _merge_kernel(PARTIAL, STATS, OUT, count, D: tl.constexpr, SPLITS: tl.constexpr, BR: tl.constexpr):
+def _merge_kernel(PARTIAL, STATS, OUT, count, rows, nodes, out_head, out_group, out_node, D: tl.constexpr,
+                  SPLITS: tl.constexpr, BR: tl.constexpr):
     """Program (block of BR of the count = Hkv x R folded rows): OUT = the splits' PARTIAL sums, each
-    weighted by exp(its max - the largest max), over the same weighting of their STATS sums. The
-    splits' loops are unrolled, so their loads are in flight together: a decode step's merge is a few
-    rows, where one dependent load after another would be its whole cost."""
+    weighted by exp(its max - the largest max), over the same weighting of their STATS sums, stored
+    as ``_attention_kernel`` stores. The splits' loops are unrolled, so their loads are in flight
+    together: a decode step's merge is a few rows, where one dependent load after another would be
+    its whole cost."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     d = tl.arange(0, D)
     in_rows = r < count
@@ -131,8 +144,9 @@ def _merge_kernel(PARTIAL, STATS, OUT, count, D: tl.constexpr, SPLITS: tl.conste
         weight = tl.exp(tl.load(STATS + at * 2, mask=in_rows, other=0.0) - top)  # a split that read no key: 0
         total += weight * tl.load(STATS + at * 2 + 1, mask=in_rows, other=1.0)  # rows past count: finite, not stored
         acc += weight[:, None] * tl.load(PARTIAL + at[:, None] * D + d[None, :], mask=in_rows[:, None], other=0.0)
-    tl.store(OUT + r[:, None] * D + d[None, :], (acc / total[:, None]).to(OUT.dtype.element_ty),
-             mask=in_rows[:, None])
+    head = r // rows
+    at = _out_rows(head, r - head * rows, nodes, out_head, out_group, out_node)
+    tl.store(OUT + at[:, None] + d[None, :], (acc / total[:, None]).to(OUT.dtype.element_ty), mask=in_rows[:, None])
 
 
 # partial sums a program of the merge holds per split ([rows, D]), and the fewest rows it takes
@@ -175,21 +189,29 @@ def supports(query: torch.Tensor, key: torch.Tensor) -> bool:
 
 def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                  slots: torch.Tensor, scale: float, splits: int | None = None,
-                 rows_per_program: int | None = None) -> torch.Tensor | None:
+                 rows_per_program: int | None = None, nodes: int | None = None) -> torch.Tensor | None:
     """Softmax attention of folded rows query [Hkv, R, D] over key/value [Hkv, C, D] (rows contiguous,
     K and V of the same strides) with the additive mask [R, C], reading keys up to the last of
-    ``slots`` (the pass's K/V slots; every later key must be masked) -> [Hkv, R, D]. The keys before
-    the first slot (the committed past) must be visible to every row: the mask is read from there on.
-    ``splits``: of the keys (None: enough programs to fill the GPU twice, at most ``MAX_KEY_SPLITS``);
-    ``rows_per_program``: None, as TILES say (the benchmarks set it). None (and ``supports`` false
-    from then on) if this GPU lacks the shared memory for every choice of TILES."""
+    ``slots`` (the pass's K/V slots; every later key must be masked) -> [Hkv, R, D], or with
+    ``nodes`` (R = g x nodes, row i * nodes + t: query head i of the group, node t) -> [nodes, Hq * D],
+    each node's query heads side by side as o_proj reads them (no transposing copy after). The keys
+    before the first slot (the committed past) must be visible to every row: the mask is read from
+    there on. ``splits``: of the keys (None: enough programs to fill the GPU twice, at most
+    ``MAX_KEY_SPLITS``); ``rows_per_program``: None, as TILES say (the benchmarks set it). None (and
+    ``supports`` false from then on) if this GPU lacks the shared memory for every choice of TILES."""
     heads, rows, dim = query.shape
     chosen = (str(query.device), dim, row_block(rows))
     if chosen in _CHOSEN and _CHOSEN[chosen] is None:
         return None
     query = query.contiguous()
     mask = mask if mask.stride(-1) == 1 else mask.contiguous()
-    out = torch.empty_like(query)
+    if nodes is None:  # [Hkv, R, D]: one "query head" of R nodes per K/V head
+        out = torch.empty_like(query)
+        layout = (rows, rows * dim, 0, dim)
+    else:
+        groups = rows // nodes
+        out = torch.empty(nodes, heads * groups * dim, dtype=query.dtype, device=query.device)
+        layout = (nodes, groups * dim, dim, heads * groups * dim)
     for tiles in (_CHOSEN[chosen],) if chosen in _CHOSEN else tiles_for(dim):
         most, keys, warps, stages = tiles
         block_rows = rows_per_program or row_block(rows, most)
@@ -205,7 +227,7 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
         try:
             _attention_kernel[(blocks, heads, key_splits)](
                 query, key, value, mask, slots, out, partial, stats, rows, slots.shape[0] - 1, key.stride(0),
-                key.stride(1), mask.stride(0), scale, D=dim, BM=block_rows, BN=keys, SPLITS=key_splits,
+                key.stride(1), mask.stride(0), scale, *layout, D=dim, BM=block_rows, BN=keys, SPLITS=key_splits,
                 num_warps=warps, num_stages=stages,
             )
         except OutOfResources:  # raised when compiling, before any launch: the next tiles
@@ -219,6 +241,6 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
         count = heads * rows
         merge_rows = max(MERGE_MIN_ROWS, min(MERGE_ELEMENTS // dim,
                                              triton.next_power_of_2(triton.cdiv(count, multiprocessors(query.device)))))
-        _merge_kernel[(triton.cdiv(count, merge_rows),)](partial, stats, out, count, D=dim, SPLITS=key_splits,
-                                                         BR=merge_rows, num_warps=4)
+        _merge_kernel[(triton.cdiv(count, merge_rows),)](partial, stats, out, count, rows, *layout, D=dim,
+                                                         SPLITS=key_splits, BR=merge_rows, num_warps=4)
     return out

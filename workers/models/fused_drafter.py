@@ -82,8 +82,7 @@ def layer_step(layer: FusedLayer, hidden: torch.Tensor, context: torch.Tensor, i
     heads = F.linear(x, layer.qkv_weight, layer.qkv_bias).view(rows, hq + 2 * hkv, d)
     args = (heads, layer.q_norm, layer.k_norm, inputs, kv, hq, hkv)
     folded = norm_rotate_heads(*args) if heads.is_cuda and triton_available() else norm_rotate_heads_torch(*args)
-    out = attend_folded(folded, kv[0, 0], kv[1, 0], inputs.mask, layer.scale, slots=reads)  # [Hkv, g*(T+b), D]
-    attended = out.reshape(hq, rows, d)[:, num_new:].transpose(0, 1).reshape(block, hq * d)  # the block's rows
-    add_projection_(hidden, attended, layer.o_proj)
+    out = attend_folded(folded, kv[0, 0], kv[1, 0], inputs.mask, layer.scale, slots=reads, nodes=rows)  # [T+b, Hq*D]
+    add_projection_(hidden, out[num_new:], layer.o_proj)  # the block's rows
     add_projection_(hidden, norm_linear(hidden, layer.post_norm, layer.gate_up_weight, silu=True), layer.down_proj)
     return hidden

@@ -162,14 +162,14 @@ class GatedAttentionLayer:
         args = (heads, self.attn.q_norm, self.attn.k_norm, inputs, kv, hq, hkv)
         folded = norm_rotate_heads(*args) if heads.is_cuda and triton_available() else norm_rotate_heads_torch(*args)
         out = attend_folded(folded, kv[0, 0, :, :attend], kv[1, 0, :, :attend], inputs.mask, self.scale,
-                           slots=inputs.slots)
-        add_projection_(residual, output_gate(out.view(hq, q, d), heads, hq), self.o_proj, self.reduce)
+                            slots=inputs.slots, nodes=q)  # [q, Hq*D]
+        add_projection_(residual, output_gate(out, heads, hq), self.o_proj, self.reduce)
         self.mlp(residual)
         return hidden
 
 
 def output_gate(out: torch.Tensor, heads: torch.Tensor, query_heads: int) -> torch.Tensor:
-    """The attention's output out [Hq, q, D] times the sigmoid of each query head's gate (the odd rows
+    """The attention's output out [q, Hq*D] times the sigmoid of each query head's gate (the odd rows
     of heads [q, 2Hq + 2Hkv, D]) -> [q, Hq*D], as o_proj reads it; one Triton kernel on CUDA."""
     if out.is_cuda and triton_available():
         from workers.models.fused_hybrid_triton import output_gate as kernel
@@ -178,7 +178,7 @@ def output_gate(out: torch.Tensor, heads: torch.Tensor, query_heads: int) -> tor
     q, d = heads.shape[0], heads.shape[-1]
     # sigmoid's output is contiguous [q, Hq, D], and the product lands in it
     gated = torch.sigmoid(heads[:, : 2 * query_heads].view(q, query_heads, 2, d)[:, :, 1])
-    return gated.mul_(out.transpose(0, 1)).view(q, query_heads * d)
+    return gated.mul_(out.view(q, query_heads, d)).view(q, query_heads * d)
 
 
 def norm_rotate_heads(heads: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module, inputs: PassInputs,

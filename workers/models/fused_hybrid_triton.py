@@ -66,52 +66,62 @@ def _heads_kernel(
     HEADS, QW, KW, COS, SIN, SLOTS, FOLDED, KV,
     stride_token, stride_cos, stride_kv, stride_head, stride_slot, nodes, eps,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr,
-    GATED: tl.constexpr, NORM: tl.constexpr,
+    HB: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
 ):
-    t = tl.program_id(0)  # node
-    j = tl.program_id(1)  # 0..HQ-1 query heads, then HKV key heads, then HKV value heads
+    """Program (node t, block of HB heads j: 0..HQ-1 query heads, then HKV key heads, then HKV value
+    heads), each head a row of the [HB, BLOCK] tile."""
+    t = tl.program_id(0)
+    j = tl.program_id(1) * HB + tl.arange(0, HB)
+    in_heads = j < HQ + 2 * HKV
     is_q = j < HQ
     is_v = j >= HQ + HKV
     # heads rows per node, gated: [q_0, gate_0, ..., q_{HQ-1}, gate_{HQ-1}, k_0.., v_0..]; plain: [q_0.., k_0.., v_0..]
     if GATED:
-        src = HEADS + t * stride_token + tl.where(is_q, 2 * j, HQ + j) * D
+        row = tl.where(is_q, 2 * j, HQ + j)
     else:
-        src = HEADS + t * stride_token + j * D
+        row = j
+    src = HEADS + t * stride_token + row[:, None] * D
     cols = tl.arange(0, BLOCK)
-    valid = cols < D
     half = R // 2
     partner = tl.where(cols < half, cols + half, tl.where(cols < R, cols - half, cols))  # rotate_half's source
-    x = tl.load(src + cols, mask=valid, other=0.0).to(tl.float32)
-    x_partner = tl.load(src + partner, mask=valid, other=0.0).to(tl.float32)
+    valid = in_heads[:, None] & (cols < D)[None, :]
+    x = tl.load(src + cols[None, :], mask=valid, other=0.0).to(tl.float32)
+    x_partner = tl.load(src + partner[None, :], mask=valid, other=0.0).to(tl.float32)
     # the norm's output is rounded to the model dtype before the rotary, as transformers' module returns it
     if NORM != 0:
-        w = tl.where(is_q, tl.load(QW + cols, mask=valid, other=0.0), tl.load(KW + cols, mask=valid, other=0.0))
-        w_partner = tl.where(is_q, tl.load(QW + partner, mask=valid, other=0.0),
-                             tl.load(KW + partner, mask=valid, other=0.0))
-        inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        in_cols = cols < D
+        w = tl.where(is_q[:, None], tl.load(QW + cols, mask=in_cols, other=0.0)[None, :],
+                     tl.load(KW + cols, mask=in_cols, other=0.0)[None, :]).to(tl.float32)
+        w_partner = tl.where(is_q[:, None], tl.load(QW + partner, mask=in_cols, other=0.0)[None, :],
+                             tl.load(KW + partner, mask=in_cols, other=0.0)[None, :]).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
     if NORM == 2:  # 1 + weight, in float32
-        y = (x * inv * (1.0 + w.to(tl.float32))).to(HEADS.dtype.element_ty).to(tl.float32)
-        y_partner = (x_partner * inv * (1.0 + w_partner.to(tl.float32))).to(HEADS.dtype.element_ty).to(tl.float32)
+        y = (x * inv * (1.0 + w)).to(HEADS.dtype.element_ty).to(tl.float32)
+        y_partner = (x_partner * inv * (1.0 + w_partner)).to(HEADS.dtype.element_ty).to(tl.float32)
     elif NORM == 1:  # weight times the rounded normalised row, rounded (as F.rms_norm(x) * weight)
-        y = ((x * inv).to(HEADS.dtype.element_ty).to(tl.float32) * w.to(tl.float32))
-        y = y.to(HEADS.dtype.element_ty).to(tl.float32)
-        y_partner = ((x_partner * inv).to(HEADS.dtype.element_ty).to(tl.float32) * w_partner.to(tl.float32))
+        y = ((x * inv).to(HEADS.dtype.element_ty).to(tl.float32) * w).to(HEADS.dtype.element_ty).to(tl.float32)
+        y_partner = (x_partner * inv).to(HEADS.dtype.element_ty).to(tl.float32) * w_partner
         y_partner = y_partner.to(HEADS.dtype.element_ty).to(tl.float32)
     else:
         y = x
         y_partner = x_partner
     turning = cols < R
-    cos = tl.load(COS + t * stride_cos + cols, mask=turning, other=1.0).to(tl.float32)
-    sin = tl.load(SIN + t * stride_cos + cols, mask=turning, other=0.0).to(tl.float32)  # sin, first half negated
-    out = tl.where(is_v, x, y * cos + y_partner * sin).to(FOLDED.dtype.element_ty)
+    cos = tl.load(COS + t * stride_cos + cols, mask=turning, other=1.0).to(tl.float32)[None, :]
+    sin = tl.load(SIN + t * stride_cos + cols, mask=turning, other=0.0).to(tl.float32)[None, :]  # first half negated
+    out = tl.where(is_v[:, None], x, y * cos + y_partner * sin).to(FOLDED.dtype.element_ty)
     # queries to the folded rows [HKV, g*q, D]: row r*q + t of K/V head j // g is query head j = kv*g + r
     groups = HQ // HKV
     folded_row = (j // groups) * groups * nodes + (j % groups) * nodes + t
-    tl.store(FOLDED + folded_row * D + cols, out, mask=valid & is_q)
+    tl.store(FOLDED + folded_row[:, None] * D + cols[None, :], out, mask=valid & is_q[:, None])
     slot = tl.load(SLOTS + t)
     head = tl.where(is_v, j - HQ - HKV, j - HQ)
     target = KV + is_v.to(tl.int64) * stride_kv + head * stride_head + slot * stride_slot
-    tl.store(target + cols, out, mask=valid & (j >= HQ))
+    tl.store(target[:, None] + cols[None, :], out, mask=valid & (j >= HQ)[:, None])
+
+
+# heads per program of the heads kernel: a few hundred nodes x 48 heads as one-warp programs were
+# thousands of launches' worth of block scheduling (``benchmarks/gpu_speed.py --profile``)
+HEADS_PER_PROGRAM = 8
 
 
 def norm_rotate_heads(heads: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
@@ -126,11 +136,12 @@ def norm_rotate_heads(heads: torch.Tensor, q_weight: torch.Tensor | None, k_weig
     q, _, d = heads.shape
     rotary = cos.shape[-1]
     folded = torch.empty(kv_heads, (query_heads // kv_heads) * q, d, dtype=heads.dtype, device=heads.device)
-    _heads_kernel[(q, query_heads + 2 * kv_heads)](
+    block = triton.next_power_of_2(d)
+    _heads_kernel[(q, triton.cdiv(query_heads + 2 * kv_heads, HEADS_PER_PROGRAM))](
         heads, q_weight, k_weight, cos, sin_signed, slots, folded, kv,
         heads.stride(0), cos.stride(0), kv.stride(0), kv.stride(2), kv.stride(3), q, eps,
-        HQ=query_heads, HKV=kv_heads, D=d, R=rotary, BLOCK=triton.next_power_of_2(d),
-        GATED=gated, NORM=norm, num_warps=1 if d <= 128 else 2,
+        HQ=query_heads, HKV=kv_heads, D=d, R=rotary, BLOCK=block, HB=HEADS_PER_PROGRAM,
+        GATED=gated, NORM=norm, num_warps=4 if block <= 128 else 8,
     )
     return folded
 
@@ -158,13 +169,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _output_gate_kernel(OUT, HEADS, GATED, nodes, stride_token, HQ: tl.constexpr, D: tl.constexpr,
+def _output_gate_kernel(OUT, HEADS, GATED, stride_token, HQ: tl.constexpr, D: tl.constexpr,
                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0)  # node: all its query heads
     h = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_D)
     valid = (h < HQ)[:, None] & (cols < D)[None, :]
-    out = tl.load(OUT + (h[:, None] * nodes + t) * D + cols[None, :], mask=valid, other=0.0)
+    out = tl.load(OUT + t * HQ * D + h[:, None] * D + cols[None, :], mask=valid, other=0.0)
     gate = tl.load(HEADS + t * stride_token + (2 * h[:, None] + 1) * D + cols[None, :], mask=valid,
                    other=0.0).to(tl.float32)
     # rounded as torch's sigmoid(gate) * out: the sigmoid to the model dtype, then the product
@@ -174,13 +185,13 @@ def _output_gate_kernel(OUT, HEADS, GATED, nodes, stride_token, HQ: tl.constexpr
 
 
 def output_gate(out: torch.Tensor, heads: torch.Tensor, query_heads: int) -> torch.Tensor:
-    """out [Hq, q, D] (the attention's output per query head; rows contiguous) and heads [q, 2Hq + 2Hkv, D]
-    (the projection's rows per node: query 0, gate 0, query 1, gate 1, ...) -> sigmoid(gate) * out
-    as [q, Hq*D], one kernel."""
+    """out [q, Hq*D] (the attention's output, each node's query heads side by side) and heads
+    [q, 2Hq + 2Hkv, D] (the projection's rows per node: query 0, gate 0, query 1, gate 1, ...) ->
+    sigmoid(gate) * out as [q, Hq*D], one kernel."""
     q, d = heads.shape[0], heads.shape[-1]
     out = out.contiguous()
     gated = torch.empty(q, query_heads * d, dtype=out.dtype, device=out.device)
-    _output_gate_kernel[(q,)](out, heads, gated, q, heads.stride(0), HQ=query_heads, D=d,
+    _output_gate_kernel[(q,)](out, heads, gated, heads.stride(0), HQ=query_heads, D=d,
                               BLOCK_H=triton.next_power_of_2(query_heads), BLOCK_D=triton.next_power_of_2(d),
                               num_warps=4)
     return gated

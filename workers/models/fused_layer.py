@@ -122,8 +122,8 @@ class FusedLayer:
         args = (heads, self.q_norm, self.k_norm, inputs, kv, hq, hkv)
         folded = norm_rotate_heads(*args) if heads.is_cuda and triton_available() else norm_rotate_heads_torch(*args)
         out = attend_folded(folded, kv[0, 0, :, :attend], kv[1, 0, :, :attend], inputs.mask, self.scale,
-                           slots=inputs.slots)
-        add_projection_(residual, out.reshape(hq, q, d).transpose(0, 1).reshape(q, hq * d), self.o_proj, self.reduce)
+                            slots=inputs.slots, nodes=q)  # [q, Hq*D]
+        add_projection_(residual, out, self.o_proj, self.reduce)
         activated = norm_linear(residual, self.post_norm, self.gate_up_weight, silu=True)
         add_projection_(residual, activated, self.down_proj, self.reduce)
         return hidden

@@ -40,9 +40,9 @@ def test_triton_attention_equals_sdpa_and_stops_at_the_last_slot(dtype, heads, g
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
         assert ((got - want).norm() / want.norm()).item() < 5e-3
         results[splits] = got
-    # the route the fused layers take: attend_folded with the slots
-    routed = attend_folded(query, key, value, mask, dim**-0.5, slots=slots).float()
-    assert torch.equal(routed, results[None])
+    # the route the fused layers take: attend_folded with the slots, in o_proj's layout [q, Hq*D]
+    routed = attend_folded(query, key, value, mask, dim**-0.5, slots=slots, nodes=q).float()
+    assert torch.equal(routed, results[None].reshape(heads * groups, q, dim).transpose(0, 1).reshape(q, -1))
 
 
 @torch.inference_mode()

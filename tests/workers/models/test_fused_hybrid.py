@@ -201,8 +201,8 @@ def test_output_gate_kernel_equals_torch(dtype):
     tolerance = {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
     for q, hq, hkv, d in ((1, 24, 4, 256), (257, 24, 4, 256), (9, 4, 2, 64)):
         heads = (torch.randn(q, 2 * hq + 2 * hkv, d, generator=generator) * 3).to("cuda", dtype)
-        out = torch.randn(hq, q, d, generator=generator).to("cuda", dtype)
-        want = torch.sigmoid(heads[:, : 2 * hq].view(q, hq, 2, d)[:, :, 1]) * out.transpose(0, 1)
+        out = torch.randn(q, hq * d, generator=generator).to("cuda", dtype)
+        want = torch.sigmoid(heads[:, : 2 * hq].view(q, hq, 2, d)[:, :, 1]) * out.view(q, hq, d)
         torch.testing.assert_close(output_gate(out, heads, hq), want.reshape(q, hq * d), **tolerance)
 
 

@@ -85,10 +85,16 @@ def test_the_attention_kernel_equals_the_torch_attention(heads, groups, q, capac
     end = length + q
     want = attend_folded(query.float(), key[:, :end].float(), value[:, :end].float(), mask[:, :end].float(),
                          dim**-0.5)
+    # o_proj's layout: [q, Hq*D], each node's query heads side by side
+    want_by_node = want.reshape(heads * groups, q, dim).transpose(0, 1).reshape(q, heads * groups * dim)
     for splits in (1, 3, 8):
         got = attend_until(query, key, value, mask, slots, dim**-0.5, splits)
         assert got.dtype == torch.float16 and torch.isfinite(got).all()
         assert relative(got, want) < 2e-3  # float16's rounding of the output is 5e-4 at most
+        by_node = attend_until(query, key, value, mask, slots, dim**-0.5, splits, nodes=q)
+        assert by_node.shape == (q, heads * groups * dim)
+        assert torch.equal(by_node, got.reshape(heads * groups, q, dim).transpose(0, 1).reshape(q, -1))
+        assert relative(by_node, want_by_node) < 2e-3
 
 
 @pytest.mark.parametrize(("chain", "q"), [(False, 40), (False, 130), (True, 40), (True, 1), (True, 7)])
@@ -146,7 +152,7 @@ def test_the_hybrid_layers_small_kernels_equal_their_torch_forms(dtype):
     heads = torch.randn(q, 2 * hq + 2 * hkv, d, generator=g).to(dtype)
     for heads_out in (6, hq):  # a query-head count that is not a power of two, and one that is
         rows = torch.randn(q, 2 * heads_out + 2 * hkv, d, generator=g).to(dtype) * 3
-        attended = torch.randn(heads_out, q, d, generator=g).to(dtype)
+        attended = torch.randn(q, heads_out * d, generator=g).to(dtype)
         torch.testing.assert_close(fused_hybrid_triton.output_gate(attended, rows, heads_out),
                                    output_gate(attended, rows, heads_out), **tolerance)
     q_norm, k_norm = nn.Module(), nn.Module()
@@ -176,21 +182,22 @@ def test_the_plain_layers_small_kernels_equal_their_torch_forms(dtype):
     for x in ((torch.randn(7, 320, generator=g) * 3).to(dtype), torch.randn(3, 6, 320, generator=g).to(dtype)[:, 1:5]):
         torch.testing.assert_close(fused_hybrid_triton.rms_norm(x, weight, 1e-6),
                                    torch.nn.functional.rms_norm(x, (320,), weight, 1e-6), **tolerance)
-    q, hq, hkv, d = 5, 4, 2, 16
-    heads = torch.randn(q, hq + 2 * hkv, d, generator=g).to(dtype)
+    q, d = 5, 16
     q_norm, k_norm = nn.Module(), nn.Module()
     q_norm.weight, k_norm.weight = ((torch.randn(d, generator=g) * 0.3).to(dtype) for _ in range(2))
     q_norm.variance_epsilon = k_norm.variance_epsilon = 1e-6
     angles = torch.rand(1, q, d // 2, generator=g).repeat(1, 1, 2) * 6
-    inputs = PassInputs.build(angles.cos().to(dtype), angles.sin().to(dtype), torch.arange(3, 3 + q),
-                              torch.zeros(q, 4), hq // hkv)
-    for norms in ((q_norm, k_norm), (None, None)):
-        results = []
-        for run in (norm_rotate_heads_torch, norm_rotate_heads):  # the torch form, the kernel
-            kv = torch.zeros(2, 1, hkv, q + 5, d, dtype=dtype)
-            results.append((run(heads.clone(), *norms, inputs, kv, hq, hkv), kv))
-        for got, want in zip(results[1], results[0]):
-            torch.testing.assert_close(got, want, **tolerance)
+    for hq, hkv in ((4, 2), (6, 3)):  # 8 heads: one program a node; 12: a second, part-filled block of heads
+        heads = torch.randn(q, hq + 2 * hkv, d, generator=g).to(dtype)
+        inputs = PassInputs.build(angles.cos().to(dtype), angles.sin().to(dtype), torch.arange(3, 3 + q),
+                                  torch.zeros(q, 4), hq // hkv)
+        for norms in ((q_norm, k_norm), (None, None)):
+            results = []
+            for run in (norm_rotate_heads_torch, norm_rotate_heads):  # the torch form, the kernel
+                kv = torch.zeros(2, 1, hkv, q + 5, d, dtype=dtype)
+                results.append((run(heads.clone(), *norms, inputs, kv, hq, hkv), kv))
+            for got, want in zip(results[1], results[0]):
+                torch.testing.assert_close(got, want, **tolerance)
 
 
 def test_the_tree_build_kernels_equal_the_torch_build():
