@@ -316,6 +316,11 @@ def measure(args: argparse.Namespace) -> int:
         commit = timings[-1]
         lines.append(f"{budget:>5} {build:>9.2f} {capped:>6.2f} {replayed:>9.2f} {replayed_capped:>6.2f} {walk:>8.2f} "
                      f"{commit:>10.2f}")
+        if args.profile:
+            from forward_anatomy import kernel_breakdown
+
+            kernel_breakdown(lambda b=budget: graphs.build_tree(draft_logits, TreeParams(b)),
+                             f"tree build B={budget}, graph", lines, top=args.top)
 
     # --- whole rounds, and graph == eager -------------------------------------------------------------
     lines.append(f"{'method':>18} {'eager ms/round':>15} {'graph ms/round':>15} {'split ms/round':>15} "
