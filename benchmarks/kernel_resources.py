@@ -163,8 +163,9 @@ def launches(shape: dict, q: int = 257) -> list[Launch]:
                                             out=torch.empty(rows, width, dtype=bf16) if add else None, tiles=tiles,
                                             splits=2 if "split" in what else None)
             out[-1].family = family
-    tree: list[Launch] = []  # DDTree's build at B = q - 1: one launch per depth, the merge, the outputs
-    with (recording(tree_triton, "_tree_depth_kernel", "tree build: a depth", tree),
+    tree: list[Launch] = []  # DDTree's build at B = q - 1: two launches per depth, the merge, the outputs
+    with (recording(tree_triton, "_tree_count_kernel", "tree build: a depth's count", tree),
+          recording(tree_triton, "_tree_depth_kernel", "tree build: a depth", tree),
           recording(tree_triton, "_tree_merge_kernel", "tree build: the merge", tree),
           recording(tree_triton, "_tree_finish_kernel", "tree build: nodes, ancestors", tree)):
         build_tree(torch.log_softmax(torch.randn(15, shape["vocab_size"]), dim=-1), TreeParams(q - 1), kernels=True)

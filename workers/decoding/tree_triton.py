@@ -2,11 +2,12 @@
 
 ``tree.build_tree`` in torch issues ~12 small kernels per depth plus the merge and the ancestor
 matrix, about 290 launches for a 15-deep tree, which cost more than their work even replayed from a
-CUDA graph. Here each depth is one kernel, the merge one, and the outputs one:
+CUDA graph. Here each depth is two kernels (the count, the writes), the merge one, and the outputs one:
 
     depth d:  candidate c = (kept parent j, token rank r), score = parent score + top_vals[d, r];
               its place in the depth's best-first order = #{candidates that beat it}, where c' beats
-              c if its score is higher, or equal with c' enumerated first; the first ``keep`` places
+              c if its score is higher, or equal with c' enumerated first (counted by programs that
+              each take a block of candidates and a share of the others); the first ``keep`` places
               are written (score, parent entry, token)
     merge:    the same count over all depths' entries (depth order, each depth best first) gives
               each entry's node index; the first ``budget`` become nodes 1..n
@@ -22,6 +23,8 @@ than the torch build at B = 1024 (``benchmarks/results/hybrid_speed_h200.md``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -50,24 +53,40 @@ def _beaten_by(score, e, other_score, other, in_range):
     return tl.sum((beats & in_range[None, :]).to(tl.int32), axis=1)
 
 
+@triton.jit(do_not_specialize=["count", "parent_offset", "depth", "top_k", "share"])
+def _tree_count_kernel(TOP_VALS, PARENT, RANK, SCORE, PLACE, count, parent_offset, depth, top_k, share,
+                       BLOCK: tl.constexpr):
+    """Program (block of a depth's candidates, share of the others): adds to PLACE [count] (zeroed
+    before) how many of others share*s .. share*(s+1)-1 beat each candidate. Each program recomputes
+    the scores it compares against (a gather and an add) rather than reading them from a launch
+    before."""
+    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = c < count
+    top_row = (depth - 1) * top_k
+    _, _, score = _load_candidates(SCORE, TOP_VALS, PARENT, RANK, c, valid, parent_offset, top_row)
+    place = tl.zeros((BLOCK,), dtype=tl.int32)
+    first = tl.program_id(1) * share
+    last = tl.minimum(count, first + share)
+    for start in range(first, last, BLOCK):
+        other = start + tl.arange(0, BLOCK)
+        in_range = other < last
+        _, _, other_score = _load_candidates(SCORE, TOP_VALS, PARENT, RANK, other, in_range, parent_offset, top_row)
+        place += _beaten_by(score, c, other_score, other, in_range)
+    tl.atomic_add(PLACE + c, place, mask=valid)  # integer sums: the same in any order
+
+
 @triton.jit(do_not_specialize=["count", "keep", "parent_offset", "offset", "depth", "top_k"])
-def _tree_depth_kernel(TOP_VALS, TOP_IDS, PARENT, RANK, SCORE, PARENT_ENTRY, TOKEN, DEPTH,
+def _tree_depth_kernel(TOP_VALS, TOP_IDS, PARENT, RANK, SCORE, PLACE, PARENT_ENTRY, TOKEN, DEPTH,
                        count, keep, parent_offset, offset, depth, top_k, BLOCK: tl.constexpr):
     """Depth ``depth`` (1..D): its ``count`` candidates (PARENT / RANK [count]), children of the
-    previous depth's entries from ``parent_offset`` on (-1: the root); its ``keep`` best written as
-    entries offset..offset+keep-1 of SCORE / PARENT_ENTRY / TOKEN / DEPTH, best first. Each program
-    recomputes the scores it compares against (a gather and an add) rather than reading them from a
-    launch before."""
+    previous depth's entries from ``parent_offset`` on (-1: the root), whose places in the depth's
+    best-first order ``_tree_count_kernel`` counted into PLACE; its ``keep`` best written as entries
+    offset..offset+keep-1 of SCORE / PARENT_ENTRY / TOKEN / DEPTH."""
     c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = c < count
     top_row = (depth - 1) * top_k
     parent, rank, score = _load_candidates(SCORE, TOP_VALS, PARENT, RANK, c, valid, parent_offset, top_row)
-    place = tl.zeros((BLOCK,), dtype=tl.int32)
-    for start in range(0, count, BLOCK):
-        other = start + tl.arange(0, BLOCK)
-        in_range = other < count
-        _, _, other_score = _load_candidates(SCORE, TOP_VALS, PARENT, RANK, other, in_range, parent_offset, top_row)
-        place += _beaten_by(score, c, other_score, other, in_range)
+    place = tl.load(PLACE + c, mask=valid, other=0)
     kept = valid & (place < keep)
     entry = offset + place
     tl.store(SCORE + entry, score, mask=kept)
@@ -119,6 +138,19 @@ def _tree_finish_kernel(ORDER, NODE_OF, SCORE, PARENT_ENTRY, TOKEN, DEPTH, TOKEN
              mask=(r <= nodes)[:, None] & (cols <= nodes)[None, :])
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _shares(blocks: int, device: torch.device) -> int:
+    """How many shares of the others a depth's count is split into: enough programs to give every
+    multiprocessor one (a count of blocks x blocks steps in one program each was the build's cost,
+    one launch after another: ``benchmarks/gpu_speed.py --profile``), at most one block of others
+    a share."""
+    return max(1, min(blocks, triton.cdiv(_multiprocessors(device), blocks)))
+
+
 def best_prefixes(top_vals: torch.Tensor, top_ids: torch.Tensor, budget: int,
                   pairs: list[tuple[torch.Tensor, torch.Tensor]]):
     """The best-first tree from each depth's top-K: top_vals [D, K] float64 log-probs (best first),
@@ -132,13 +164,20 @@ def best_prefixes(top_vals: torch.Tensor, top_ids: torch.Tensor, budget: int,
     score = torch.empty(entries, dtype=torch.float64, device=device)
     parent_entry, token, depth_of = (torch.empty(entries, dtype=torch.long, device=device) for _ in range(3))
     top_vals, top_ids = top_vals.contiguous(), top_ids.contiguous()
-    offset, parent_offset = 0, -1  # the first entry of this depth, of the one before (-1: the root)
-    for depth, ((parent, rank), keep) in enumerate(zip(pairs, keeps), 1):
-        count = parent.numel()
-        _tree_depth_kernel[(triton.cdiv(count, BLOCK),)](
-            top_vals, top_ids, parent, rank, score, parent_entry, token, depth_of, count, keep, parent_offset,
+    counts = [parent.numel() for parent, _ in pairs]
+    places = torch.zeros(sum(counts), dtype=torch.int32, device=device)  # each depth's count, from its start
+    offset, parent_offset, first = 0, -1, 0  # the first entry of this depth, of the one before (-1: the root)
+    for depth, ((parent, rank), keep, count) in enumerate(zip(pairs, keeps, counts), 1):
+        place = places[first : first + count]
+        blocks = triton.cdiv(count, BLOCK)
+        share = BLOCK * triton.cdiv(blocks, _shares(blocks, device))
+        _tree_count_kernel[(blocks, triton.cdiv(count, share))](
+            top_vals, parent, rank, score, place, count, parent_offset, depth, top_vals.shape[1], share,
+            BLOCK=BLOCK, num_warps=4)
+        _tree_depth_kernel[(blocks,)](
+            top_vals, top_ids, parent, rank, score, place, parent_entry, token, depth_of, count, keep, parent_offset,
             offset, depth, top_vals.shape[1], BLOCK=BLOCK, num_warps=4)
-        parent_offset, offset = offset, offset + keep
+        parent_offset, offset, first = offset, offset + keep, first + count
     order = torch.empty(nodes, dtype=torch.long, device=device)
     node_of = torch.empty(entries, dtype=torch.long, device=device)
     _tree_merge_kernel[(triton.cdiv(entries, BLOCK),)](score, order, node_of, entries, nodes, BLOCK=BLOCK, num_warps=4)
