@@ -134,9 +134,18 @@ def main() -> int:
         return measure(args)
 
 
+class PrintedLines(list):
+    """The report's lines, each printed as it is added: a run cut short (a time limit, a machine taken
+    back) still shows what it measured."""
+
+    def append(self, line: str) -> None:
+        print(line, flush=True)
+        super().append(line)
+
+
 def measure(args: argparse.Namespace) -> int:
     device = torch.device("cuda")
-    lines: list[str] = []
+    lines: list[str] = PrintedLines()
     measured: dict = {"split ratios": []}  # what the goals table reads
     budgets = tuple(int(b) for b in args.budgets.split(","))
 
@@ -259,7 +268,7 @@ def measure(args: argparse.Namespace) -> int:
     if split is not None:
         measured["split ratios"].append(measured["prefill split graphs"] / measured["prefill graph"])
     if args.only_forwards:
-        print("\n".join(lines + goal_lines(measured) + lt_lines()))
+        print("\n".join(goal_lines(measured) + lt_lines()))
         return 0
 
     # --- drafter and the host-side tree work ----------------------------------------------------------
@@ -344,7 +353,7 @@ def measure(args: argparse.Namespace) -> int:
         if split is not None:
             measured["split ratios"].append(split_ms / per_round[1])
         lines.append(f"{name:>18} {per_round[0]:>15.2f} {per_round[1]:>15.2f} {split_ms:>15.2f} {str(same):>12}")
-    print("\n".join(lines + goal_lines(measured) + lt_lines()))
+    print("\n".join(goal_lines(measured) + lt_lines()))
     return 0
 
 
