@@ -24,11 +24,11 @@ than the torch build at B = 1024 (``benchmarks/results/hybrid_speed_h200.md``).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from workers.models.attention_triton import multiprocessors
 
 BLOCK = 64  # candidates (or entries) per program, and per step of the count
 # The kernels' sizes and offsets change with the tree knobs and the depth: they are left unspecialised
@@ -138,17 +138,12 @@ def _tree_finish_kernel(ORDER, NODE_OF, SCORE, PARENT_ENTRY, TOKEN, DEPTH, TOKEN
              mask=(r <= nodes)[:, None] & (cols <= nodes)[None, :])
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def _shares(blocks: int, device: torch.device) -> int:
     """How many shares of the others a depth's count is split into: enough programs to give every
     multiprocessor one (a count of blocks x blocks steps in one program each was the build's cost,
     one launch after another: ``benchmarks/gpu_speed.py --profile``), at most one block of others
     a share."""
-    return max(1, min(blocks, triton.cdiv(_multiprocessors(device), blocks)))
+    return max(1, min(blocks, triton.cdiv(multiprocessors(device), blocks)))
 
 
 def best_prefixes(top_vals: torch.Tensor, top_ids: torch.Tensor, budget: int,
