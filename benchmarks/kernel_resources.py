@@ -46,6 +46,7 @@ class Launch:
     args: tuple
     kwargs: dict = field(default_factory=dict)
     family: str = ""  # launches that stand in for each other (tiles tried in order): one of them must fit
+    min_arch: int = 0  # the first architecture that runs it (TMA: Hopper, 90)
 
     def source(self) -> tuple[ASTSource, dict]:
         """The kernel specialised as Triton's launcher would for these arguments: 16-byte aligned
@@ -126,19 +127,19 @@ def launches(shape: dict, q: int = 257) -> list[Launch]:
     capacity, rows = 2048, (heads // kv_heads) * q
     kv = torch.zeros(2, 1, kv_heads, capacity, head_dim, dtype=bf16)
     slots = torch.arange(q) + 1024
-    for splits in (1, 4):
-        family = f"verify attention ({splits} key splits)"
+    for splits, tma in ((1, False), (4, False), (1, True), (4, True)):  # K/V by block pointers, or by TMA (sm_90)
+        family = f"verify attention{' by TMA' if tma else ''} ({splits} key splits)"
         for choice, tiles in enumerate(attention_triton.tiles_for(head_dim)):  # tried in turn until one fits
             attention: list[Launch] = []
-            with (attention_triton.only_tiles(tiles),
+            with (attention_triton.only_tiles(tiles), attention_triton.by_descriptor(tma),
                   recording(attention_triton, "_attention_kernel", f"{family[:-1]}, {'x'.join(map(str, tiles))})",
                             attention),
                   recording(attention_triton, "_merge_kernel", f"verify attention's merge ({splits} key splits)",
                             attention)):
                 attention_triton.attend_until(torch.zeros(kv_heads, rows, head_dim, dtype=bf16), kv[0, 0], kv[1, 0],
                                               torch.zeros(rows, capacity, dtype=bf16), slots, head_dim**-0.5, splits)
-            attention[0].family = family
-            out += attention if choice == 0 else attention[:1]  # the merge (if split) once: the same kernel
+            attention[0].family, attention[0].min_arch = family, 90 if tma else 0
+            out += attention if choice == 0 and not tma else attention[:1]  # the merge once: the same kernel
     with recording(fused_hybrid_triton, "_heads_kernel", "attention heads (norm, rotary, K/V write)", out):
         fused_hybrid_triton.norm_rotate_heads(torch.zeros(q, 2 * heads + 2 * kv_heads, head_dim, dtype=bf16),
                                               torch.zeros(head_dim, dtype=bf16), torch.zeros(head_dim, dtype=bf16),
@@ -201,6 +202,9 @@ def main() -> int:
     for launch in launches(shape):
         row = f"{launch.label:<52}{launch.kwargs.get('num_warps', 4):>6}"
         for arch in arches:
+            if arch < launch.min_arch:
+                row += f"{'-':>20}{'-':>6}{'-':>7}"
+                continue
             used = resources(launch, arch)
             limit = SHARED_LIMIT.get(arch)
             row += f"{used['shared']:>13}/{limit or '?':<6}{used['regs']:>6}{used['stack']:>7}"

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from workers.models.kernels import MAX_KEY_SPLITS, row_block
 
@@ -54,33 +55,41 @@ def _out_rows(head, r, nodes, out_head, out_group, out_node):
 
 
 @triton.jit
-def _step(query, keys, values, masks, best, total, acc, start, hi, scale,
-          BN: tl.constexpr, MASKED: tl.constexpr):
-    """One tile of BN keys into the online softmax (best, total, acc); MASKED: add the mask's tile and
-    drop keys from hi on (else every key of the tile is visible to every row)."""
-    key = tl.load(keys, boundary_check=(0,), padding_option="zero")  # rows past hi: zeros, never used
+def _step(query, key, value, mask, best, total, acc, start, hi, scale, BN: tl.constexpr, MASKED: tl.constexpr):
+    """One tile of BN keys (key, value [BN, D]) into the online softmax (best, total, acc); MASKED: add
+    the mask's tile [BM, BN] and drop keys from hi on (else every key of the tile is visible to every row)."""
     scores = tl.dot(query, tl.trans(key)) * scale
     if MASKED:
-        scores += tl.load(masks, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+        scores += mask.to(tl.float32)
         scores = tl.where((start + tl.arange(0, BN) < hi)[None, :], scores, float("-inf"))
     new_best = tl.maximum(best, tl.max(scores, axis=1))  # finite: every tile has a key in range
     p = tl.exp(scores - new_best[:, None])
     fade = tl.exp(best - new_best)
-    value = tl.load(values, boundary_check=(0,), padding_option="zero")
     acc = acc * fade[:, None] + tl.dot(p.to(value.dtype), value)
     return new_best, total * fade + tl.sum(p, axis=1), acc
 
 
 @triton.jit
-def _attention_kernel(Q, K, V, MASK, SLOTS, OUT, PARTIAL, STATS, rows, last, k_head_stride, k_row_stride,
-                      mask_stride, scale, nodes, out_head, out_group, out_node, D: tl.constexpr, BM: tl.constexpr,
-                      BN: tl.constexpr, SPLITS: tl.constexpr):
+def _tile(blocks, descriptor, head, start, BN: tl.constexpr, D: tl.constexpr, BY_DESCRIPTOR: tl.constexpr):
+    """Keys or values start..start+BN-1 of a head [BN, D]: by TMA (``descriptor``, [Hkv, C, D] in
+    [1, BN, D] blocks; the tile must lie before hi) or from the block pointer ``blocks`` (rows from hi
+    on read as zeros: the K/V buffer past the pass's last slot may hold anything)."""
+    if BY_DESCRIPTOR:
+        return descriptor.load([head, start, 0]).reshape(BN, D)
+    return tl.load(blocks, boundary_check=(0,), padding_option="zero")
+
+
+@triton.jit
+def _attention_kernel(Q, K, V, K_DESC, V_DESC, MASK, SLOTS, OUT, PARTIAL, STATS, rows, last, k_head_stride,
+                      k_row_stride, mask_stride, scale, nodes, out_head, out_group, out_node, D: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, TMA: tl.constexpr):
     """Program (row block, K/V head, split). Q [Hkv, R, D]; K / V rows at head * k_head_stride +
     key * k_row_stride; MASK [R, C] additive, read only from the pass's first slot SLOTS[0] on (the
     committed past before it is visible to every row); keys past SLOTS[last] are not read. Row
     r = i * nodes + t of head h goes to OUT + h * out_head + i * out_group + t * out_node (``_out_rows``).
     With SPLITS > 1: PARTIAL [SPLITS, Hkv, R, D] unnormalised float32 sums, STATS [SPLITS, Hkv, R, 2]
-    (max, sum)."""
+    (max, sum). TMA: whole K/V tiles come by the tensor descriptors K_DESC / V_DESC (Hopper on), the
+    last part-tile of the keys by block pointers."""
     block = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -91,6 +100,9 @@ def _attention_kernel(Q, K, V, MASK, SLOTS, OUT, PARTIAL, STATS, rows, last, k_h
     lo = split * share
     hi = tl.minimum(end, lo + share)
     unmasked = lo + tl.maximum(0, tl.minimum(hi, past) - lo) // BN * BN  # whole tiles of the past: no mask
+    # TMA reads whole tiles up to ``whole``, the part-tile before hi after the loop (block pointers: every
+    # tile in the loop, their rows from hi on read as zeros)
+    whole = lo + tl.maximum(0, hi - lo) // BN * BN if TMA else hi
     # block pointers, not per-element pointer tensors (see the module docstring)
     query = tl.load(tl.make_block_ptr(Q + head * rows * D, (rows, D), (D, 1), (block * BM, 0), (BM, D), (1, 0)),
                     boundary_check=(0,), padding_option="zero")
@@ -100,15 +112,25 @@ def _attention_kernel(Q, K, V, MASK, SLOTS, OUT, PARTIAL, STATS, rows, last, k_h
     total = tl.zeros((BM,), dtype=tl.float32)
     acc = tl.zeros((BM, D), dtype=tl.float32)
     for start in range(lo, unmasked, BN):
-        best, total, acc = _step(query, keys, values, None, best, total, acc, start, hi, scale, BN, False)
+        key = _tile(keys, K_DESC, head, start, BN, D, TMA)
+        value = _tile(values, V_DESC, head, start, BN, D, TMA)
+        best, total, acc = _step(query, key, value, None, best, total, acc, start, hi, scale, BN, False)
         keys = tl.advance(keys, (BN, 0))
         values = tl.advance(values, (BN, 0))
     masks = tl.make_block_ptr(MASK, (rows, hi), (mask_stride, 1), (block * BM, unmasked), (BM, BN), (1, 0))
-    for start in range(unmasked, hi, BN):
-        best, total, acc = _step(query, keys, values, masks, best, total, acc, start, hi, scale, BN, True)
+    for start in range(unmasked, whole, BN):
+        key = _tile(keys, K_DESC, head, start, BN, D, TMA)
+        value = _tile(values, V_DESC, head, start, BN, D, TMA)
+        mask = tl.load(masks, boundary_check=(0, 1), padding_option="zero")
+        best, total, acc = _step(query, key, value, mask, best, total, acc, start, hi, scale, BN, True)
         keys = tl.advance(keys, (BN, 0))
         values = tl.advance(values, (BN, 0))
         masks = tl.advance(masks, (0, BN))
+    if TMA and whole < hi:  # the part-tile before hi: block pointers, whose rows from hi on read as zeros
+        key = _tile(keys, K_DESC, head, whole, BN, D, False)
+        value = _tile(values, V_DESC, head, whole, BN, D, False)
+        mask = tl.load(masks, boundary_check=(0, 1), padding_option="zero")
+        best, total, acc = _step(query, key, value, mask, best, total, acc, whole, hi, scale, BN, True)
     r = block * BM + tl.arange(0, BM)
     d = tl.arange(0, D)
     in_rows = r < rows
@@ -149,6 +171,36 @@ def _merge_kernel(PARTIAL, STATS, OUT, count, rows, nodes, out_head, out_group, 
     tl.store(OUT + at[:, None] + d[None, :], (acc / total[:, None]).to(OUT.dtype.element_ty), mask=in_rows[:, None])
 
 
+# whole K/V tiles by TMA on GPUs that have it (compute capability 9 on), where the buffer's strides allow
+# (``benchmarks/attention_kernels.py --descriptors`` times both forms)
+BY_DESCRIPTOR = True
+
+
+@contextlib.contextmanager
+def by_descriptor(on: bool) -> Iterator[None]:
+    """Inside: whole K/V tiles by TMA descriptors (``on``) or by block pointers, whatever the GPU (the
+    benchmarks time both forms; the resource check compiles both)."""
+    global BY_DESCRIPTOR
+    saved, BY_DESCRIPTOR = BY_DESCRIPTOR, on
+    try:
+        yield
+    finally:
+        BY_DESCRIPTOR = saved
+
+
+def _descriptors(key: torch.Tensor, value: torch.Tensor, keys: int):
+    """TMA descriptors of K and V [Hkv, C, D] in [1, keys, D] blocks, or None: BY_DESCRIPTOR off, a GPU
+    before Hopper, or strides TMA cannot take (16-byte multiples). Off CUDA (Triton's interpreter, the
+    tests) the descriptors are emulated."""
+    if not BY_DESCRIPTOR or (key.is_cuda and torch.cuda.get_device_capability(key.device)[0] < 9):
+        return None
+    aligned = all((stride * key.element_size()) % 16 == 0 for stride in key.stride()[:-1])
+    if not aligned or key.stride() != value.stride() or key.data_ptr() % 16 or value.data_ptr() % 16:
+        return None
+    return (TensorDescriptor.from_tensor(key, [1, keys, key.shape[-1]]),
+            TensorDescriptor.from_tensor(value, [1, keys, key.shape[-1]]))
+
+
 # partial sums a program of the merge holds per split ([rows, D]), and the fewest rows it takes
 MERGE_ELEMENTS, MERGE_MIN_ROWS = 1024, 2
 
@@ -178,6 +230,16 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
+@functools.cache
+def resident_programs(device: torch.device, rows: int, keys: int, stages: int, dim: int) -> int:
+    """Programs of these tiles one multiprocessor holds at once, by their shared memory (the query's tile,
+    K and V tiles per stage, a tenth more for what Triton adds), 1 to 4; 1 off CUDA."""
+    if device.type != "cuda":
+        return 1
+    tiles_bytes = 1.1 * 2 * (rows * dim + stages * 2 * keys * dim)
+    return max(1, min(4, int(torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor // tiles_bytes)))
+
+
 def supports(query: torch.Tensor, key: torch.Tensor) -> bool:
     """Half-precision inputs, a power-of-two head size the tiles take, rows contiguous, and not a GPU
     found to lack the shared memory for every choice of tiles."""
@@ -196,8 +258,10 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     ``nodes`` (R = g x nodes, row i * nodes + t: query head i of the group, node t) -> [nodes, Hq * D],
     each node's query heads side by side as o_proj reads them (no transposing copy after). The keys
     before the first slot (the committed past) must be visible to every row: the mask is read from
-    there on. ``splits``: of the keys (None: enough programs to fill the GPU twice, at most
-    ``MAX_KEY_SPLITS``); ``rows_per_program``: None, as TILES say (the benchmarks set it). None (and
+    there on. ``splits``: of the keys (None: as many programs as the GPU holds at once, rounded down, at
+    most ``MAX_KEY_SPLITS`` splits: splitting costs float32 partial sums and their merge, and a part-filled
+    second round of programs costs a whole one; ``benchmarks/attention_kernels.py --grid``);
+    ``rows_per_program``: None, as TILES say (the benchmarks set it). None (and
     ``supports`` false from then on) if this GPU lacks the shared memory for every choice of TILES."""
     heads, rows, dim = query.shape
     chosen = (str(query.device), dim, row_block(rows))
@@ -217,18 +281,20 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
         block_rows = rows_per_program or row_block(rows, most)
         blocks = triton.cdiv(rows, block_rows)
         key_splits = splits
-        if key_splits is None:
-            sms = multiprocessors(query.device)
-            key_splits = max(1, min(MAX_KEY_SPLITS, triton.cdiv(2 * sms, blocks * heads)))
+        if key_splits is None:  # as many programs as the GPU holds at once, never a part-filled second round
+            resident = resident_programs(query.device, block_rows, keys, stages, dim) * multiprocessors(query.device)
+            key_splits = max(1, min(MAX_KEY_SPLITS, resident // (blocks * heads)))
         partial = stats = out
         if key_splits > 1:
             partial = torch.empty(key_splits, heads, rows, dim, dtype=torch.float32, device=query.device)
             stats = torch.empty(key_splits, heads, rows, 2, dtype=torch.float32, device=query.device)
+        descriptors = _descriptors(key, value, keys)
         try:
             _attention_kernel[(blocks, heads, key_splits)](
-                query, key, value, mask, slots, out, partial, stats, rows, slots.shape[0] - 1, key.stride(0),
-                key.stride(1), mask.stride(0), scale, *layout, D=dim, BM=block_rows, BN=keys, SPLITS=key_splits,
-                num_warps=warps, num_stages=stages,
+                query, key, value, *(descriptors or (key, value)), mask, slots, out, partial, stats, rows,
+                slots.shape[0] - 1, key.stride(0), key.stride(1), mask.stride(0), scale, *layout, D=dim,
+                BM=block_rows, BN=keys, SPLITS=key_splits, TMA=descriptors is not None, num_warps=warps,
+                num_stages=stages,
             )
         except OutOfResources:  # raised when compiling, before any launch: the next tiles
             continue

@@ -26,9 +26,15 @@ pytestmark = [
                           # a decode step's few rows (16 and 32 rows a program): Qwen3-8B's and Qwen3.6-27B's heads
                           (8, 4, 1, 3072, 1024, 128), (4, 6, 1, 2000, 1024, 256), (4, 6, 3, 700, 5, 256),
                           (8, 4, 2, 300, 0, 128)])
+@pytest.mark.parametrize("by_descriptor", [True, False])
 @torch.inference_mode()
-def test_triton_attention_equals_sdpa_and_stops_at_the_last_slot(dtype, heads, groups, q, capacity, length, dim):
+def test_triton_attention_equals_sdpa_and_stops_at_the_last_slot(dtype, heads, groups, q, capacity, length, dim,
+                                                                 by_descriptor, monkeypatch):
+    """Whole K/V tiles by TMA (Hopper's default; block pointers on an older GPU) and by block pointers."""
+    from workers.models import attention_triton
     from workers.models.attention_triton import attend_until
+
+    monkeypatch.setattr(attention_triton, "BY_DESCRIPTOR", by_descriptor)
 
     query, key, value, mask, slots = pass_inputs(heads, groups, q, capacity, length, dim, dtype, q)
     end = length + q

@@ -72,13 +72,19 @@ def test_the_tree_kernel_equals_the_torch_tree_form(q, depth, dk, dv):
 @pytest.mark.parametrize(("heads", "groups", "q", "capacity", "length", "dim"),
                          [(2, 3, 30, 200, 100, 32), (1, 4, 129, 1300, 1024, 32), (2, 1, 257, 700, 0, 16),
                           (2, 2, 1, 300, 200, 32)])
+@pytest.mark.parametrize("by_descriptor", [True, False])
 @torch.inference_mode()
-def test_the_attention_kernel_equals_the_torch_attention(heads, groups, q, capacity, length, dim):
+def test_the_attention_kernel_equals_the_torch_attention(heads, groups, q, capacity, length, dim, by_descriptor,
+                                                         monkeypatch):
     """attend_until (keys up to the pass's last slot, the mask read over the pass's own keys; the keys
     split 1, 3 or 8 ways and merged) in float16 against float32 attention over exactly the visible
-    keys (keys after the pass are NaN: reading one would show)."""
+    keys (keys after the pass are NaN: reading one would show), its whole K/V tiles by TMA descriptors
+    (Hopper's form) or by block pointers (an RTX A6000's)."""
+    from workers.models import attention_triton
     from workers.models.attention import attend_folded
     from workers.models.attention_triton import attend_until
+
+    monkeypatch.setattr(attention_triton, "BY_DESCRIPTOR", by_descriptor)
 
     query, key, value, mask, slots = attention_pass_inputs(heads, groups, q, capacity, length, dim,
                                                            torch.float16, q, "cpu")

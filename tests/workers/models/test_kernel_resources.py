@@ -36,6 +36,8 @@ def test_every_kernel_fits_an_a6000s_shared_memory():
         "GDN prologue", "GDN tree blocks + gated norm", "verify attention", "GDN commit", "tree build: a depth"}
     families: dict[str, list[bool]] = {}
     for launch in launches:
+        if launch.min_arch > 86:  # TMA's form runs from Hopper on
+            continue
         fits = tool.resources(launch, 86)["shared"] <= tool.SHARED_LIMIT[86]
         if launch.family:
             families.setdefault(launch.family, []).append(fits)
