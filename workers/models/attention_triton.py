@@ -240,6 +240,25 @@ def resident_programs(device: torch.device, rows: int, keys: int, stages: int, d
     return max(1, min(4, int(torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor // tiles_bytes)))
 
 
+# a program's fixed cost (its query tile in, its output or partial sums out) over its keys' work when the
+# keys are not split: fitted to the kernel's grids of tiles and splits on an H200 (``split_count``)
+PROGRAM_OVERHEAD = 0.3
+
+
+def split_count(programs: int, resident: int, sms: int) -> int:
+    """Key splits for ``programs`` programs (row blocks x K/V heads) on a GPU that holds ``resident`` of
+    them at once: the fewest of those that minimise rounds of programs x each program's time
+    (PROGRAM_OVERHEAD + 1 / splits), at most ``MAX_KEY_SPLITS`` and at most 4 programs a multiprocessor
+    in all (the memory plan's bound on the float32 partial sums, ``placement``). So a part-filled last
+    round costs a whole one, and a split costs its program's overhead again. On an H200 this picks the
+    fastest measured count at every width (``benchmarks/results/wide_passes_h200.md``, seventh session)."""
+    def cost(splits: int) -> float:
+        return -(-splits * programs // resident) * (PROGRAM_OVERHEAD + 1 / splits)
+
+    allowed = [splits for splits in range(1, MAX_KEY_SPLITS + 1) if splits == 1 or splits * programs <= 4 * sms]
+    return min(allowed, key=cost)  # the first of equal costs: the fewest splits
+
+
 def supports(query: torch.Tensor, key: torch.Tensor) -> bool:
     """Half-precision inputs, a power-of-two head size the tiles take, rows contiguous, and not a GPU
     found to lack the shared memory for every choice of tiles."""
@@ -258,9 +277,8 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     ``nodes`` (R = g x nodes, row i * nodes + t: query head i of the group, node t) -> [nodes, Hq * D],
     each node's query heads side by side as o_proj reads them (no transposing copy after). The keys
     before the first slot (the committed past) must be visible to every row: the mask is read from
-    there on. ``splits``: of the keys (None: as many programs as the GPU holds at once, rounded down, at
-    most ``MAX_KEY_SPLITS`` splits: splitting costs float32 partial sums and their merge, and a part-filled
-    second round of programs costs a whole one; ``benchmarks/attention_kernels.py --grid``);
+    there on. ``splits``: of the keys (None: ``split_count``'s, by how many programs the GPU holds at
+    once; ``benchmarks/attention_kernels.py --grid`` times others);
     ``rows_per_program``: None, as TILES say (the benchmarks set it). None (and
     ``supports`` false from then on) if this GPU lacks the shared memory for every choice of TILES."""
     heads, rows, dim = query.shape
@@ -281,9 +299,10 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
         block_rows = rows_per_program or row_block(rows, most)
         blocks = triton.cdiv(rows, block_rows)
         key_splits = splits
-        if key_splits is None:  # as many programs as the GPU holds at once, never a part-filled second round
-            resident = resident_programs(query.device, block_rows, keys, stages, dim) * multiprocessors(query.device)
-            key_splits = max(1, min(MAX_KEY_SPLITS, resident // (blocks * heads)))
+        if key_splits is None:
+            sms = multiprocessors(query.device)
+            resident = resident_programs(query.device, block_rows, keys, stages, dim) * sms
+            key_splits = split_count(blocks * heads, resident, sms)
         partial = stats = out
         if key_splits > 1:
             partial = torch.empty(key_splits, heads, rows, dim, dtype=torch.float32, device=query.device)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 
 # ``attention_triton``: the most query rows per program, and the most splits of the keys (which it
-# makes only while its programs fit the GPU at once, at most 4 a multiprocessor; their partial sums are
+# makes with at most 4 programs a multiprocessor in all, ``split_count``; their partial sums are
 # float32 [splits, Hkv, R, D], so under 4 x multiprocessors x ROW_BLOCK rows of D)
 ROW_BLOCK = 128
 MAX_KEY_SPLITS = 8

@@ -103,6 +103,21 @@ def test_the_attention_kernel_equals_the_torch_attention(heads, groups, q, capac
         assert relative(by_node, want_by_node) < 2e-3
 
 
+@pytest.mark.parametrize(("programs", "resident", "sms", "fastest"),
+                         [(28, 132, 132, 4), (52, 132, 132, 2), (100, 132, 132, 1), (196, 132, 132, 2),
+                          (136, 396, 132, 2), (512, 396, 132, 1), (8, 396, 132, 8), (4, 132, 132, 8)])
+def test_the_key_splits_are_the_measured_choices(programs, resident, sms, fastest):
+    """``split_count`` at an H200's widths against the measured (benchmarks/results/wide_passes_h200.md,
+    seventh session): the fastest split count of the grids for the 27B shape's 128-row programs at
+    q = 129, 257, 513, 1025 (one a multiprocessor) and the 8B shape's 64-row programs at q = 257 (three);
+    the counts the passes were measured with for a 1024-token prompt chunk of the 8B shape (1: 2 would
+    break the memory plan's 4 programs a multiprocessor) and decode steps' few programs (8, the most)."""
+    from workers.models.attention_triton import split_count
+
+    assert split_count(programs, resident, sms) == fastest
+    assert split_count(programs, resident, sms) * programs <= max(programs, 4 * sms)
+
+
 @pytest.mark.parametrize(("chain", "q"), [(False, 40), (False, 130), (True, 40), (True, 1), (True, 7)])
 @torch.inference_mode()
 def test_a_gdn_layer_through_the_kernels_equals_its_torch_path(chain, q):
