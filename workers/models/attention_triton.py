@@ -10,9 +10,11 @@ before them is visible to every row, so its tiles need no mask tile.
 It is a flash-attention forward (online softmax in float32, P rounded to the inputs' dtype for the
 P V product, as SDPA's fused kernels do) over folded rows: query [Hkv, R, D], one program per block
 of rows, K/V head and split of the keys; with few row blocks the keys are split and a second kernel
-merges the partial results by their log-sum-exps. K, V, the mask and the query are read through
-block pointers: per-element pointer tensors for a [64, 256] tile would hold 128 registers a thread and spill
-(``benchmarks/kernel_resources.py`` prints each kernel's registers and spills per architecture).
+merges the partial results by their log-sum-exps. The mask and the query are read through block
+pointers: per-element pointer tensors for a [64, 256] tile would hold 128 registers a thread and spill
+(``benchmarks/kernel_resources.py`` prints each kernel's registers and spills per architecture). So are
+K and V before Hopper; from Hopper on their whole tiles come by TMA (``BY_DESCRIPTOR``), and only the
+last part-tile by a block pointer, whose rows past the pass's last slot read as zeros.
 Tested against SDPA in ``tests/workers/models/test_attention_triton.py`` (GPU-marked).
 """
 
