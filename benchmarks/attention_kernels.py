@@ -12,7 +12,10 @@ default), each with its relative error against SDPA; and the K/V read floor (byt
 bandwidth). ``--descriptors`` times each choice twice, its whole K/V tiles by TMA (the default on Hopper)
 and by block pointers (``attention_triton.BY_DESCRIPTOR``); ``--libraries`` adds two references over
 exactly the visible keys: SDPA's flash kernel without the mask (not the pass's attention: what a fused
-kernel does at this shape) and cuDNN's with it.
+kernel does at this shape) and cuDNN's with it. ``--ends`` also times each choice as the target passes
+run it: in o_proj's layout with each node's ``ends``, each block of rows stopping at its furthest key
+("ends"); ``--causal`` makes the pass a prompt chunk (every node sees every earlier one; ``--length 0``:
+a prompt's first chunk) instead of a random tree.
 """
 
 from __future__ import annotations
@@ -94,6 +97,9 @@ def main() -> int:
                         help="each choice with its whole K/V tiles by TMA and by block pointers")
     parser.add_argument("--libraries", action="store_true",
                         help="SDPA's flash kernel (no mask) and cuDNN's (mask) over exactly the visible keys")
+    parser.add_argument("--ends", action="store_true",
+                        help="each choice also with each node's ends, in o_proj's layout (the target passes' form)")
+    parser.add_argument("--causal", action="store_true", help="a prompt chunk's visibility instead of a tree's")
     args = parser.parse_args()
     shape = TARGETS[args.shape]
     kv_heads, dim = shape["num_key_value_heads"], shape["head_dim"]
@@ -103,8 +109,9 @@ def main() -> int:
           f"{args.capacity} slots; {torch.cuda.get_device_name()}; copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     print(f"{'q':>5} {'rows':>5} {'choice':>34} {'us':>7} {'error':>7}")
     for q in (int(x) for x in args.qs.split(",")):
-        query, key, value, mask, slots = attention_pass_inputs(kv_heads, groups, q, args.capacity, args.length, dim,
-                                                               getattr(torch, args.dtype), q)
+        query, key, value, mask, slots, ends = attention_pass_inputs(
+            kv_heads, groups, q, args.capacity, args.length, dim, getattr(torch, args.dtype), q, causal=args.causal,
+            ends=True)
         key, value = torch.nan_to_num(key), torch.nan_to_num(value)  # SDPA over all slots reads them
         end = args.length + q
         want = attend_folded(query, key[:, :end], value[:, :end], mask[:, :end], dim**-0.5).float()
@@ -122,16 +129,19 @@ def main() -> int:
             choices = [(rows_, keys_, warps_, stages_, splits_) for rows_, warps_ in args.grid_rows_warps
                        for keys_ in GRID_KEYS for stages_ in args.grid_stages for splits_ in args.grid_splits]
         forms = (True, False) if args.descriptors else (None,)
-        for choice, tma in ((choice, tma) for choice in choices for tma in forms):
+        by_node = want.reshape(kv_heads * groups, q, dim).transpose(0, 1).reshape(q, -1)
+        for choice, tma, bounded in ((choice, tma, bounded) for choice in choices for tma in forms
+                                     for bounded in ((False, True) if args.ends else (False,))):
             block, keys, warps, stages, splits = choice
 
             def call():
                 return attention_triton.attend_until(query, key, value, mask, slots, dim**-0.5, splits=splits,
-                                                     rows_per_program=block)
+                                                     rows_per_program=block, **({"nodes": q, "ends": ends}
+                                                                                 if bounded else {}))
 
             first = attention_triton.tiles_for(dim)[0]
             tiles = first if keys is None else (block or first[0], keys, warps, stages)
-            with attention_triton.only_tiles(tiles), attention_triton.by_descriptor(True if tma is None else tma):
+            with attention_triton.only_tiles(tiles), attention_triton.by_descriptor(tma):
                 try:
                     got = call()
                 except Exception as error:  # noqa: BLE001 - a choice that fails to compile here: the next
@@ -140,8 +150,10 @@ def main() -> int:
                 if got is None:
                     print(f"{q:>5} {rows:>5} {label(choice, tma):>34} {'no room':>7}")
                     continue
-                error = ((got.float() - want).norm() / want.norm()).item()
-                print(f"{q:>5} {rows:>5} {label(choice, tma):>34} {replay_us(call):7.1f} {error:7.0e}")
+                reference = by_node if bounded else want
+                error = ((got.float() - reference).norm() / reference.norm()).item()
+                name = label(choice, tma) + (" ends" if bounded else "")
+                print(f"{q:>5} {rows:>5} {name:>34} {replay_us(call):7.1f} {error:7.0e}")
     return 0
 
 

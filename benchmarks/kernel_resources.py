@@ -137,7 +137,8 @@ def launches(shape: dict, q: int = 257) -> list[Launch]:
                   recording(attention_triton, "_merge_kernel", f"verify attention's merge ({splits} key splits)",
                             attention)):
                 attention_triton.attend_until(torch.zeros(kv_heads, rows, head_dim, dtype=bf16), kv[0, 0], kv[1, 0],
-                                              torch.zeros(rows, capacity, dtype=bf16), slots, head_dim**-0.5, splits)
+                                              torch.zeros(rows, capacity, dtype=bf16), slots, head_dim**-0.5, splits,
+                                              nodes=q, ends=(slots + 1).to(torch.int32))  # a target pass's form
             attention[0].family, attention[0].min_arch = family, 90 if tma else 0
             out += attention if choice == 0 and not tma else attention[:1]  # the merge once: the same kernel
     with recording(fused_hybrid_triton, "_heads_kernel", "attention heads (norm, rotary, K/V write)", out):

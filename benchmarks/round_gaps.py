@@ -7,7 +7,7 @@ is small) and 96 new tokens. The generation runs once to capture every graph, th
 torch.profiler with each engine stage annotated (``record_function``, no synchronisation). Prints
 the decode wall time per round, the GPU's kernel time per round, and the idle gaps between
 consecutive kernels summed by the stage whose launch ended them (the host work that stage did
-before its first kernel is what the GPU waited for).
+before its first kernel is what the GPU waited for), and the kernel time each stage launched.
 """
 
 from __future__ import annotations
@@ -40,9 +40,10 @@ class AnnotatingTimer:
             yield
 
 
-def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> tuple[float, float, dict[str, list[float]]]:
-    """(kernel time us, span us, {stage: [gap us...]}) from a chrome trace: each gap before a kernel
-    is charged to the annotated stage that was open on the host when that kernel was launched."""
+def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> tuple[float, float, dict[str, list], dict[str, float]]:
+    """(kernel time us, span us, {stage: [gap us...]}, {stage: kernel us}) from a chrome trace: each
+    kernel, and the gap before it, is charged to the annotated stage that was open on the host when
+    that kernel was launched (a graph's kernels to the stage that launched the graph)."""
     events = trace["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                      key=lambda e: e["ts"])
@@ -57,15 +58,17 @@ def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> tuple[float, float, d
                 return name
         return "between stages"
 
-    busy, gaps = 0.0, defaultdict(list)
+    busy, gaps, work = 0.0, defaultdict(list), defaultdict(float)
     for previous, kernel in zip(kernels, kernels[1:]):
         busy += kernel["dur"]
+        launch = launches.get(kernel.get("args", {}).get("correlation"))
+        stage = stage_at(launch["ts"]) if launch else "unknown"
+        work[stage] += kernel["dur"]
         gap = kernel["ts"] - (previous["ts"] + previous["dur"])
         if gap >= min_gap_us:
-            launch = launches.get(kernel.get("args", {}).get("correlation"))
-            gaps[stage_at(launch["ts"]) if launch else "unknown"].append(gap)
+            gaps[stage].append(gap)
     span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"] if kernels else 0.0
-    return busy, span, gaps
+    return busy, span, gaps, work
 
 
 @torch.inference_mode()
@@ -101,13 +104,15 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "trace.json"
             prof.export_chrome_trace(str(path))
-            busy, span, gaps = gaps_by_stage(json.loads(path.read_text()))
+            busy, span, gaps, work = gaps_by_stage(json.loads(path.read_text()))
         rounds = traced.num_rounds
         idle = sum(sum(v) for v in gaps.values())
         by_stage = ", ".join(f"{stage} {sum(v) / 1e3 / rounds:.2f} ({len(v)})" for stage, v in
                              sorted(gaps.items(), key=lambda kv: -sum(kv[1])))
         lines.append(f"{name:>14} {out.num_rounds:>6} {out.decode_s * 1e3 / out.num_rounds:>13.2f} "
                      f"{busy / 1e3 / rounds:>16.2f} {idle / 1e3 / rounds:>13.2f}  {by_stage}")
+        lines.append(f"{'':>14} kernels by stage (ms/round): " + ", ".join(
+            f"{stage} {us / 1e3 / rounds:.2f}" for stage, us in sorted(work.items(), key=lambda kv: -kv[1])))
         lines.append(f"{'':>14} (whole call {wall_ms:.1f} ms untraced; traced kernel span {span / 1e3:.1f} ms, "
                      "prefill included)")
     print("\n".join(lines))

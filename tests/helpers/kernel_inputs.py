@@ -18,18 +18,25 @@ def random_tree_parents(q: int, depth: int, generator: torch.Generator) -> torch
 
 
 def attention_pass_inputs(heads: int, groups: int, q: int, capacity: int, length: int, dim: int, dtype,
-                          seed: int, device: str = "cuda"):
+                          seed: int, device: str = "cuda", causal: bool = False, ends: bool = False):
     """A verify pass's folded attention after ``length`` committed tokens: (query [Hkv, g*q, D], key,
     value [Hkv, C, D] with NaN after the pass's keys, the runner's additive mask [g*q, C] (the past
-    visible, the pass's own keys by a random visibility), the pass's K/V slots [q])."""
+    visible, the pass's own keys by a random visibility, or every earlier one: ``causal``, a prompt
+    chunk), the pass's K/V slots [q]), and with ``ends`` each node's ``visible_ends`` [q]."""
     g = torch.Generator().manual_seed(seed)
     query = torch.randn(heads, groups * q, dim, generator=g).to(dtype).to(device)
     key, value = (torch.randn(heads, capacity, dim, generator=g).to(dtype).to(device) for _ in range(2))
     key[:, length + q :], value[:, length + q :] = float("nan"), float("nan")
-    visible = (torch.rand(q, q, generator=g) < 0.3).tril() | torch.eye(q, dtype=torch.bool)
+    visible = (torch.rand(q, q, generator=g) < (1.0 if causal else 0.3)).tril() | torch.eye(q, dtype=torch.bool)
     columns = torch.arange(capacity)
     relative = columns - length
     block = visible[:, relative.clamp(0, q - 1)] & (relative >= 0) & (relative < q)
     allowed = (columns < length) | block
     mask = torch.full((q, capacity), torch.finfo(dtype).min, dtype=dtype).masked_fill_(allowed, 0.0)
-    return query, key, value, mask.repeat(groups, 1).to(device), (length + torch.arange(q)).to(device)
+    slots = length + torch.arange(q)
+    inputs = (query, key, value, mask.repeat(groups, 1).to(device), slots.to(device))
+    if not ends:
+        return inputs
+    from workers.models.fused_layer import visible_ends
+
+    return *inputs, visible_ends(visible, slots).to(device)

@@ -49,14 +49,16 @@ def grouped_attention(
 
 def attend_folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                   scale: float, backends: list[SDPBackend] | None = None,
-                  slots: torch.Tensor | None = None, nodes: int | None = None) -> torch.Tensor:
+                  slots: torch.Tensor | None = None, nodes: int | None = None,
+                  ends: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention of folded rows: query [Hkv, R, D] over key/value [Hkv, C, D] with an
     additive mask [R, C] (None: all visible) -> [Hkv, R, D]; given ``nodes`` (R = g x nodes, row
     i * nodes + t: query head i of the group, node t) -> [nodes, Hq * D], as o_proj reads it.
 
     Given the pass's K/V ``slots`` (every key after the last of them masked, every key before the
     first visible) and half-precision inputs on CUDA: ``attention_triton.attend_until``, which reads
-    keys only up to that slot. Otherwise, few rows:
+    keys only up to that slot (with ``ends`` [nodes], one past the last slot nodes 0..t see: each
+    block of rows only up to its last node's). Otherwise, few rows:
     scores by one batched product and softmax (accumulated in float32, as transformers' eager
     attention), three small kernels, cheaper than a fused SDPA kernel for a handful of rows
     (``benchmarks/attention_kernels.py``). Many rows: SDPA.
@@ -68,7 +70,7 @@ def attend_folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
         from workers.models import attention_triton
 
         if attention_triton.supports(query, key):
-            out = attention_triton.attend_until(query, key, value, mask, slots, scale, nodes=nodes)
+            out = attention_triton.attend_until(query, key, value, mask, slots, scale, nodes=nodes, ends=ends)
             if out is not None:  # None: the GPU lacks the shared memory for its tiles
                 return out
     if query.shape[1] > SMALL_ATTENTION_ROWS:

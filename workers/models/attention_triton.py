@@ -13,8 +13,10 @@ of rows, K/V head and split of the keys; with few row blocks the keys are split 
 merges the partial results by their log-sum-exps. The mask and the query are read through block
 pointers: per-element pointer tensors for a [64, 256] tile would hold 128 registers a thread and spill
 (``benchmarks/kernel_resources.py`` prints each kernel's registers and spills per architecture). So are
-K and V before Hopper; from Hopper on their whole tiles come by TMA (``BY_DESCRIPTOR``), and only the
-last part-tile by a block pointer, whose rows past the pass's last slot read as zeros.
+K and V before Hopper; from Hopper on their whole tiles come by TMA (``uses_descriptors``: at head sizes
+below 256 only for passes of many rows), and only the last part-tile by a block pointer, whose rows
+past the pass's last slot read as zeros. Given each node's ``ends``, a block of rows reads keys only
+up to its last node's (a prompt chunk's causal triangle is not read).
 Tested against SDPA in ``tests/workers/models/test_attention_triton.py`` (GPU-marked).
 """
 
@@ -82,22 +84,29 @@ def _tile(blocks, descriptor, head, start, BN: tl.constexpr, D: tl.constexpr, BY
 
 
 @triton.jit
-def _attention_kernel(Q, K, V, K_DESC, V_DESC, MASK, SLOTS, OUT, PARTIAL, STATS, rows, last, k_head_stride,
+def _attention_kernel(Q, K, V, K_DESC, V_DESC, MASK, SLOTS, ENDS, OUT, PARTIAL, STATS, rows, last, k_head_stride,
                       k_row_stride, mask_stride, scale, nodes, out_head, out_group, out_node, D: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, TMA: tl.constexpr):
+                      BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, TMA: tl.constexpr,
+                      BOUNDED: tl.constexpr):
     """Program (row block, K/V head, split). Q [Hkv, R, D]; K / V rows at head * k_head_stride +
     key * k_row_stride; MASK [R, C] additive, read only from the pass's first slot SLOTS[0] on (the
     committed past before it is visible to every row); keys past SLOTS[last] are not read. Row
     r = i * nodes + t of head h goes to OUT + h * out_head + i * out_group + t * out_node (``_out_rows``).
     With SPLITS > 1: PARTIAL [SPLITS, Hkv, R, D] unnormalised float32 sums, STATS [SPLITS, Hkv, R, 2]
     (max, sum). TMA: whole K/V tiles come by the tensor descriptors K_DESC / V_DESC (Hopper on), the
-    last part-tile of the keys by block pointers."""
+    last part-tile of the keys by block pointers. BOUNDED: ENDS [nodes] holds one past the last key nodes
+    0..t see (a running maximum), and the program reads keys only up to its last node's (before the
+    split)."""
     block = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
     heads = tl.num_programs(1)
     past = tl.load(SLOTS).to(tl.int32)  # the committed length
     end = (tl.load(SLOTS + last) + 1).to(tl.int32)  # keys 0..end-1: the committed past and this pass
+    if BOUNDED:  # the keys after the block's last node's end are masked for all its rows: not read
+        first_row, last_row = block * BM, tl.minimum(block * BM + BM, rows) - 1
+        wraps = first_row // nodes != last_row // nodes  # rows of two query heads: nodes up to the last
+        end = tl.minimum(end, tl.load(ENDS + tl.where(wraps, nodes - 1, last_row % nodes)))
     share = tl.cdiv(tl.cdiv(end, SPLITS), BN) * BN
     lo = split * share
     hi = tl.minimum(end, lo + share)
@@ -173,15 +182,26 @@ def _merge_kernel(PARTIAL, STATS, OUT, count, rows, nodes, out_head, out_group, 
     tl.store(OUT + at[:, None] + d[None, :], (acc / total[:, None]).to(OUT.dtype.element_ty), mask=in_rows[:, None])
 
 
-# whole K/V tiles by TMA on GPUs that have it (compute capability 9 on), where the buffer's strides allow
-# (``benchmarks/attention_kernels.py --descriptors`` times both forms)
-BY_DESCRIPTOR = True
+# whole K/V tiles by TMA on GPUs that have it (compute capability 9 on), where the buffer's strides allow:
+# True always, False never, None as ``uses_descriptors`` says (``benchmarks/attention_kernels.py
+# --descriptors`` times both forms)
+BY_DESCRIPTOR: bool | None = None
+
+# at head sizes below 256, passes of fewer folded rows (a decode step's, a short chain's) ran faster by
+# block pointers on an H200, wider passes by TMA (benchmarks/results/wide_passes_h200.md, eighth session)
+TMA_FROM_ROWS = 128
+
+
+def uses_descriptors(rows: int, dim: int) -> bool:
+    """Whether a pass of ``rows`` folded rows at head size ``dim`` takes its whole K/V tiles by TMA."""
+    return BY_DESCRIPTOR if BY_DESCRIPTOR is not None else dim >= 256 or rows >= TMA_FROM_ROWS
 
 
 @contextlib.contextmanager
-def by_descriptor(on: bool) -> Iterator[None]:
-    """Inside: whole K/V tiles by TMA descriptors (``on``) or by block pointers, whatever the GPU (the
-    benchmarks time both forms; the resource check compiles both)."""
+def by_descriptor(on: bool | None) -> Iterator[None]:
+    """Inside: whole K/V tiles by TMA descriptors (``on``), by block pointers (False), or as
+    ``uses_descriptors`` says (None), whatever the GPU (the benchmarks time both forms; the resource
+    check compiles both)."""
     global BY_DESCRIPTOR
     saved, BY_DESCRIPTOR = BY_DESCRIPTOR, on
     try:
@@ -190,11 +210,12 @@ def by_descriptor(on: bool) -> Iterator[None]:
         BY_DESCRIPTOR = saved
 
 
-def _descriptors(key: torch.Tensor, value: torch.Tensor, keys: int):
-    """TMA descriptors of K and V [Hkv, C, D] in [1, keys, D] blocks, or None: BY_DESCRIPTOR off, a GPU
-    before Hopper, or strides TMA cannot take (16-byte multiples). Off CUDA (Triton's interpreter, the
-    tests) the descriptors are emulated."""
-    if not BY_DESCRIPTOR or (key.is_cuda and torch.cuda.get_device_capability(key.device)[0] < 9):
+def _descriptors(key: torch.Tensor, value: torch.Tensor, keys: int, rows: int):
+    """TMA descriptors of K and V [Hkv, C, D] in [1, keys, D] blocks for a pass of ``rows`` folded rows, or
+    None: not ``uses_descriptors``, a GPU before Hopper, or strides TMA cannot take (16-byte multiples).
+    Off CUDA (Triton's interpreter, the tests) the descriptors are emulated."""
+    if (not uses_descriptors(rows, key.shape[-1])
+            or (key.is_cuda and torch.cuda.get_device_capability(key.device)[0] < 9)):
         return None
     aligned = all((stride * key.element_size()) % 16 == 0 for stride in key.stride()[:-1])
     if not aligned or key.stride() != value.stride() or key.data_ptr() % 16 or value.data_ptr() % 16:
@@ -272,18 +293,23 @@ def supports(query: torch.Tensor, key: torch.Tensor) -> bool:
 
 def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                  slots: torch.Tensor, scale: float, splits: int | None = None,
-                 rows_per_program: int | None = None, nodes: int | None = None) -> torch.Tensor | None:
+                 rows_per_program: int | None = None, nodes: int | None = None,
+                 ends: torch.Tensor | None = None) -> torch.Tensor | None:
     """Softmax attention of folded rows query [Hkv, R, D] over key/value [Hkv, C, D] (rows contiguous,
     K and V of the same strides) with the additive mask [R, C], reading keys up to the last of
     ``slots`` (the pass's K/V slots; every later key must be masked) -> [Hkv, R, D], or with
     ``nodes`` (R = g x nodes, row i * nodes + t: query head i of the group, node t) -> [nodes, Hq * D],
-    each node's query heads side by side as o_proj reads them (no transposing copy after). The keys
+    each node's query heads side by side as o_proj reads them (no transposing copy after). With ``nodes``,
+    ``ends`` [nodes] int32 (one past the last slot nodes 0..t see, ``fused_layer.visible_ends``) lets each
+    program stop at its last node's: a prompt chunk's causal triangle is not read. The keys
     before the first slot (the committed past) must be visible to every row: the mask is read from
     there on. ``splits``: of the keys (None: ``split_count``'s, by how many programs the GPU holds at
     once; ``benchmarks/attention_kernels.py --grid`` times others);
     ``rows_per_program``: None, as TILES say (the benchmarks set it). None (and
     ``supports`` false from then on) if this GPU lacks the shared memory for every choice of TILES."""
     heads, rows, dim = query.shape
+    if ends is not None and nodes is None:
+        raise ValueError("attend_until: ends are per node; give nodes too")
     chosen = (str(query.device), dim, row_block(rows))
     if chosen in _CHOSEN and _CHOSEN[chosen] is None:
         return None
@@ -309,13 +335,13 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
         if key_splits > 1:
             partial = torch.empty(key_splits, heads, rows, dim, dtype=torch.float32, device=query.device)
             stats = torch.empty(key_splits, heads, rows, 2, dtype=torch.float32, device=query.device)
-        descriptors = _descriptors(key, value, keys)
+        descriptors = _descriptors(key, value, keys, rows)
         try:
             _attention_kernel[(blocks, heads, key_splits)](
-                query, key, value, *(descriptors or (key, value)), mask, slots, out, partial, stats, rows,
-                slots.shape[0] - 1, key.stride(0), key.stride(1), mask.stride(0), scale, *layout, D=dim,
-                BM=block_rows, BN=keys, SPLITS=key_splits, TMA=descriptors is not None, num_warps=warps,
-                num_stages=stages,
+                query, key, value, *(descriptors or (key, value)), mask, slots, slots if ends is None else ends,
+                out, partial, stats, rows, slots.shape[0] - 1, key.stride(0), key.stride(1), mask.stride(0), scale,
+                *layout, D=dim, BM=block_rows, BN=keys, SPLITS=key_splits, TMA=descriptors is not None,
+                BOUNDED=ends is not None, num_warps=warps, num_stages=stages,
             )
         except OutOfResources:  # raised when compiling, before any launch: the next tiles
             continue

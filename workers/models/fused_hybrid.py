@@ -162,7 +162,7 @@ class GatedAttentionLayer:
         args = (heads, self.attn.q_norm, self.attn.k_norm, inputs, kv, hq, hkv)
         folded = norm_rotate_heads(*args) if heads.is_cuda and triton_available() else norm_rotate_heads_torch(*args)
         out = attend_folded(folded, kv[0, 0, :, :attend], kv[1, 0, :, :attend], inputs.mask, self.scale,
-                            slots=inputs.slots, nodes=q)  # [q, Hq*D]
+                            slots=inputs.slots, nodes=q, ends=inputs.ends)  # [q, Hq*D]
         add_projection_(residual, output_gate(out, heads, hq), self.o_proj, self.reduce)
         self.mlp(residual)
         return hidden

@@ -41,6 +41,10 @@ from workers.models.kernels import triton_available
 PLAIN_NORMS = frozenset({"Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm"})
 
 
+# passes of fewer nodes fill few blocks of the attention kernel's rows, whose furthest key is the pass's last
+ENDS_FROM_NODES = 64
+
+
 @dataclass
 class PassInputs:
     """What every fused layer of one pass shares, built once per pass.
@@ -49,22 +53,41 @@ class PassInputs:
                                  rope(x) = x * cos + swap_halves(x) * sin_signed
     slots:           [q]         K/V buffer slots this pass writes
     mask:            [g*q, C]    additive mask per folded query row (row r*q + t is node t)
+    ends:            [q] or None one past the last K/V slot nodes 0..t see (``visible_ends``); the
+                                 attention kernel stops each block of rows at its last node's (a
+                                 prompt chunk's causal triangle is not read)
     """
 
     cos: torch.Tensor
     sin_signed: torch.Tensor
     slots: torch.Tensor
     mask: torch.Tensor
+    ends: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, groups: int):
-        """cos/sin [1, q, D] as transformers' rotary gives them; mask additive [q, C]."""
+    def build(cls, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, groups: int,
+              visible: torch.Tensor | None = None):
+        """cos/sin [1, q, D] as transformers' rotary gives them; mask additive [q, C]; ``visible`` [q, q]:
+        which of the pass's nodes each node sees (gives ``ends``)."""
         half = sin.shape[-1] // 2
         sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        return cls(cos[0].unsqueeze(1), sin_signed[0].unsqueeze(1), slots, mask.repeat(groups, 1))
+        ends = None if visible is None or visible.shape[0] < ENDS_FROM_NODES else visible_ends(visible, slots)
+        return cls(cos[0].unsqueeze(1), sin_signed[0].unsqueeze(1), slots, mask.repeat(groups, 1), ends)
 
     def to(self, device: torch.device) -> PassInputs:
-        return PassInputs(*(t.to(device) for t in (self.cos, self.sin_signed, self.slots, self.mask)))
+        return PassInputs(*(None if t is None else t.to(device)
+                            for t in (self.cos, self.sin_signed, self.slots, self.mask, self.ends)))
+
+
+def visible_ends(visible: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """visible [q, q] (node t sees node j), slots [q] increasing -> [q] int32: one past the slot of the
+    last node that nodes 0..t see, each itself at least (a running maximum, so a block of consecutive
+    nodes finds its bound at its last node, one load). A tree's nodes see only their ancestors, which
+    come first, so this is each node's own slot + 1; computed rather than assumed, it holds for any
+    visibility."""
+    nodes = torch.arange(visible.shape[0], device=visible.device)
+    furthest = torch.where(visible, nodes, nodes[:, None]).amax(dim=1)  # itself when it sees nothing later
+    return (slots[furthest.cummax(dim=0).values] + 1).to(torch.int32)
 
 
 class FusedLayer:
@@ -122,7 +145,7 @@ class FusedLayer:
         args = (heads, self.q_norm, self.k_norm, inputs, kv, hq, hkv)
         folded = norm_rotate_heads(*args) if heads.is_cuda and triton_available() else norm_rotate_heads_torch(*args)
         out = attend_folded(folded, kv[0, 0, :, :attend], kv[1, 0, :, :attend], inputs.mask, self.scale,
-                            slots=inputs.slots, nodes=q)  # [q, Hq*D]
+                            slots=inputs.slots, nodes=q, ends=inputs.ends)  # [q, Hq*D]
         add_projection_(residual, out, self.o_proj, self.reduce)
         activated = norm_linear(residual, self.post_norm, self.gate_up_weight, silu=True)
         add_projection_(residual, activated, self.down_proj, self.reduce)

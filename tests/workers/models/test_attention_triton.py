@@ -36,7 +36,7 @@ def test_triton_attention_equals_sdpa_and_stops_at_the_last_slot(dtype, heads, g
 
     monkeypatch.setattr(attention_triton, "BY_DESCRIPTOR", by_descriptor)
 
-    query, key, value, mask, slots = pass_inputs(heads, groups, q, capacity, length, dim, dtype, q)
+    query, key, value, mask, slots, ends = pass_inputs(heads, groups, q, capacity, length, dim, dtype, q, ends=True)
     end = length + q
     want = attend_folded(query, key[:, :end], value[:, :end], mask[:, :end], dim**-0.5).float()
     results = {}
@@ -49,6 +49,31 @@ def test_triton_attention_equals_sdpa_and_stops_at_the_last_slot(dtype, heads, g
     # the route the fused layers take: attend_folded with the slots, in o_proj's layout [q, Hq*D]
     routed = attend_folded(query, key, value, mask, dim**-0.5, slots=slots, nodes=q).float()
     assert torch.equal(routed, results[None].reshape(heads * groups, q, dim).transpose(0, 1).reshape(q, -1))
+    # each block of rows stopping at its nodes' furthest key (the target passes' form)
+    bounded = attend_folded(query, key, value, mask, dim**-0.5, slots=slots, nodes=q, ends=ends).float()
+    by_node = want.reshape(heads * groups, q, dim).transpose(0, 1).reshape(q, -1)
+    torch.testing.assert_close(bounded, by_node, atol=2e-2, rtol=2e-2)
+    assert ((bounded - by_node).norm() / by_node.norm()).item() < 5e-3
+
+
+@pytest.mark.parametrize(("heads", "groups", "dim"), [(8, 4, 128), (4, 6, 256)])
+@pytest.mark.parametrize("by_descriptor", [True, False])
+@torch.inference_mode()
+def test_a_prompt_chunk_reads_only_its_causal_keys(heads, groups, dim, by_descriptor, monkeypatch):
+    """A 1024-token prompt chunk after nothing (causal: each block of rows stops at its last node) and
+    after 1000 tokens, each K/V form, against SDPA over exactly the visible keys."""
+    from workers.models import attention_triton
+
+    monkeypatch.setattr(attention_triton, "BY_DESCRIPTOR", by_descriptor)
+    for length in (0, 1000):
+        query, key, value, mask, slots, ends = pass_inputs(heads, groups, 1024, 2048 + 64, length, dim,
+                                                           torch.bfloat16, length, causal=True, ends=True)
+        end = length + 1024
+        want = attend_folded(query, key[:, :end], value[:, :end], mask[:, :end], dim**-0.5).float()
+        want = want.reshape(heads * groups, 1024, dim).transpose(0, 1).reshape(1024, -1)
+        got = attend_folded(query, key, value, mask, dim**-0.5, slots=slots, nodes=1024, ends=ends).float()
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+        assert ((got - want).norm() / want.norm()).item() < 5e-3
 
 
 @torch.inference_mode()

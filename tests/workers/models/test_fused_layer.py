@@ -17,7 +17,7 @@ from workers.decoding.params import TreeParams
 from workers.decoding.tree import build_tree
 from workers.models import attention
 from workers.models.attention import attend_folded, grouped_attention
-from workers.models.fused_layer import FusedLayer, fused_layer_for
+from workers.models.fused_layer import FusedLayer, fused_layer_for, visible_ends
 from workers.models.runner.target import StaticTarget
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -82,6 +82,20 @@ def test_tree_nodes_and_commits_match_the_plain_forward(model_type, seed):
     text = prompt + path_tokens(tree, prompt[-1], deepest)  # the root was verified (and committed) too
     for k in range(3):
         torch.testing.assert_close(chain.logits[k], plain_logits(model, text + more[: k + 1]), atol=2e-5, rtol=1e-5)
+
+
+def test_each_node_ends_after_the_last_pass_key_it_sees():
+    """``visible_ends``: a tree's nodes see only earlier nodes, so each ends after its own slot; a
+    visibility that reaches a later node (a drafter's block sees all of itself) ends after that one, for
+    that node and every later one (a running maximum)."""
+    slots = torch.arange(40, 47)
+    tree = build_tree(torch.log_softmax(torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0)), -1),
+                      TreeParams(budget=6))
+    assert torch.equal(visible_ends(tree.visibility, slots), (slots + 1).to(torch.int32))
+    visible = torch.eye(7, dtype=torch.bool)
+    visible[2, 5] = visible[4, 6] = True
+    assert visible_ends(visible, slots).tolist() == [41, 42, 46, 46, 47, 47, 47]
+    assert visible_ends(torch.ones(7, 7, dtype=torch.bool), slots).tolist() == [47] * 7
 
 
 def test_fused_weights_are_views_of_the_model_weights():

@@ -69,25 +69,28 @@ def test_the_tree_kernel_equals_the_torch_tree_form(q, depth, dk, dv):
     assert relative(normed, gated_norm(want, z, weight, 1e-6, torch.float32)) < 1e-5
 
 
-@pytest.mark.parametrize(("heads", "groups", "q", "capacity", "length", "dim"),
-                         [(2, 3, 30, 200, 100, 32), (1, 4, 129, 1300, 1024, 32), (2, 1, 257, 700, 0, 16),
-                          (2, 2, 1, 300, 200, 32)])
+@pytest.mark.parametrize(("heads", "groups", "q", "capacity", "length", "dim", "causal"),
+                         [(2, 3, 30, 200, 100, 32, False), (1, 4, 129, 1300, 1024, 32, False),
+                          (2, 1, 257, 700, 0, 16, False), (2, 2, 1, 300, 200, 32, False),
+                          (1, 2, 160, 300, 0, 32, True)])
 @pytest.mark.parametrize("by_descriptor", [True, False])
 @torch.inference_mode()
-def test_the_attention_kernel_equals_the_torch_attention(heads, groups, q, capacity, length, dim, by_descriptor,
-                                                         monkeypatch):
+def test_the_attention_kernel_equals_the_torch_attention(heads, groups, q, capacity, length, dim, causal,
+                                                         by_descriptor, monkeypatch):
     """attend_until (keys up to the pass's last slot, the mask read over the pass's own keys; the keys
     split 1, 3 or 8 ways and merged) in float16 against float32 attention over exactly the visible
     keys (keys after the pass are NaN: reading one would show), its whole K/V tiles by TMA descriptors
-    (Hopper's form) or by block pointers (an RTX A6000's)."""
+    (Hopper's form) or by block pointers (an RTX A6000's). With each node's ``ends``, each block of rows
+    stops at its furthest key: the same output (bit for bit unsplit: the keys left out are masked for
+    every row of the block), and another with ends that leave visible keys out (so they are read)."""
     from workers.models import attention_triton
     from workers.models.attention import attend_folded
     from workers.models.attention_triton import attend_until
 
     monkeypatch.setattr(attention_triton, "BY_DESCRIPTOR", by_descriptor)
 
-    query, key, value, mask, slots = attention_pass_inputs(heads, groups, q, capacity, length, dim,
-                                                           torch.float16, q, "cpu")
+    query, key, value, mask, slots, ends = attention_pass_inputs(heads, groups, q, capacity, length, dim,
+                                                                 torch.float16, q, "cpu", causal, ends=True)
     end = length + q
     want = attend_folded(query.float(), key[:, :end].float(), value[:, :end].float(), mask[:, :end].float(),
                          dim**-0.5)
@@ -101,6 +104,29 @@ def test_the_attention_kernel_equals_the_torch_attention(heads, groups, q, capac
         assert by_node.shape == (q, heads * groups * dim)
         assert torch.equal(by_node, got.reshape(heads * groups, q, dim).transpose(0, 1).reshape(q, -1))
         assert relative(by_node, want_by_node) < 2e-3
+        if splits < 8:
+            bounded = attend_until(query, key, value, mask, slots, dim**-0.5, splits, nodes=q, ends=ends)
+            assert relative(bounded, want_by_node) < 2e-3
+            assert splits > 1 or torch.equal(bounded, by_node)
+    if q > 1:  # every node's keys cut after the pass's first: the visible later keys go missing
+        short = attend_until(query, key, value, mask, slots, dim**-0.5, 1, nodes=q, ends=torch.full_like(ends, ends[0]))
+        assert relative(short, want_by_node) > 1e-2
+
+
+@pytest.mark.parametrize(("q", "groups", "dim", "tma"),
+                         [(1, 4, 128, False), (4, 4, 128, False), (17, 4, 128, False), (65, 4, 128, True),
+                          (257, 4, 128, True), (1024, 4, 128, True), (1, 6, 256, True), (17, 6, 256, True),
+                          (1025, 6, 256, True)])
+def test_tma_is_taken_where_it_measured_faster(q, groups, dim, tma, monkeypatch):
+    """``uses_descriptors`` at the widths timed on an H200 (wide_passes_h200.md, eighth session): the
+    Qwen3-8B shape's decode steps and 17-node chains by block pointers, its passes of 65 nodes and more by
+    TMA; the Qwen3.6-27B shape's (head size 256) by TMA at every width. Forced either way, it obeys."""
+    from workers.models import attention_triton
+
+    assert attention_triton.uses_descriptors(groups * q, dim) is tma
+    for forced in (True, False):
+        monkeypatch.setattr(attention_triton, "BY_DESCRIPTOR", forced)
+        assert attention_triton.uses_descriptors(groups * q, dim) is forced
 
 
 @pytest.mark.parametrize(("programs", "resident", "sms", "fastest"),

@@ -119,7 +119,7 @@ class Loop:
             shared["tree"] = TreeShape.build(parents, window, chain, commits=commit)
         if any(self.fused.values()):
             groups = self.config.num_attention_heads // self.config.num_key_value_heads
-            shared["fused"] = PassInputs.build(cos, sin, slots, mask[0, 0], groups)
+            shared["fused"] = PassInputs.build(cos, sin, slots, mask[0, 0], groups, visible)
         per_device = PerDevice(**shared)
         state.kv.per_device = per_device
         state.state_bytes = 0
