@@ -9,13 +9,14 @@ the whole K/V buffer ("no kernel": batched products below 512 rows, else SDPA), 
 the committed past and the pass (its best case), and the kernel with each choice of rows per program,
 keys per step, warps, stages and key splits ("auto": the kernel's own choice; the first line is the
 default), each with its relative error against SDPA; and the K/V read floor (bytes / measured copy
-bandwidth). ``--descriptors`` times each choice twice, its whole K/V tiles by TMA (the default on Hopper)
-and by block pointers (``attention_triton.BY_DESCRIPTOR``); ``--libraries`` adds two references over
-exactly the visible keys: SDPA's flash kernel without the mask (not the pass's attention: what a fused
-kernel does at this shape) and cuDNN's with it. ``--ends`` also times each choice as the target passes
-run it: in o_proj's layout with each node's ``ends``, each block of rows stopping at its furthest key
-("ends"); ``--causal`` makes the pass a prompt chunk (every node sees every earlier one; ``--length 0``:
-a prompt's first chunk) instead of a random tree.
+bandwidth). ``--descriptors`` times each choice twice, its whole K/V tiles by TMA and by block pointers
+(``attention_triton.BY_DESCRIPTOR``; without it, as ``uses_descriptors`` picks on Hopper).
+``--libraries`` adds two references over exactly the visible keys: SDPA's flash kernel without the
+mask (not the pass's attention: what a fused kernel does at this shape) and cuDNN's with it.
+``--ends`` also times each choice as the target passes run it: in o_proj's layout with each node's
+``ends``, each block of rows stopping at its last node's end ("ends"). ``--causal`` makes the pass a
+prompt chunk (every node sees every earlier one; with ``--length 0`` a prompt's first chunk) instead
+of a random tree.
 """
 
 from __future__ import annotations
