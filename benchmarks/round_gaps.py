@@ -40,10 +40,11 @@ class AnnotatingTimer:
             yield
 
 
-def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> tuple[float, float, dict[str, list], dict[str, float]]:
-    """(kernel time us, span us, {stage: [gap us...]}, {stage: kernel us}) from a chrome trace: each
-    kernel, and the gap before it, is charged to the annotated stage that was open on the host when
-    that kernel was launched (a graph's kernels to the stage that launched the graph)."""
+def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> tuple[float, float, dict[str, list], dict[str, float], dict]:
+    """(kernel time us, span us, {stage: [gap us...]}, {stage: kernel us}, {(stage, kernel after the gap):
+    [gap us...]}) from a chrome trace: each kernel, and the gap before it, is charged to the annotated
+    stage that was open on the host when that kernel was launched (a graph's kernels to the stage that
+    launched the graph)."""
     events = trace["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                      key=lambda e: e["ts"])
@@ -58,7 +59,7 @@ def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> tuple[float, float, d
                 return name
         return "between stages"
 
-    busy, gaps, work = 0.0, defaultdict(list), defaultdict(float)
+    busy, gaps, work, before = 0.0, defaultdict(list), defaultdict(float), defaultdict(list)
     for previous, kernel in zip(kernels, kernels[1:]):
         busy += kernel["dur"]
         launch = launches.get(kernel.get("args", {}).get("correlation"))
@@ -67,8 +68,9 @@ def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> tuple[float, float, d
         gap = kernel["ts"] - (previous["ts"] + previous["dur"])
         if gap >= min_gap_us:
             gaps[stage].append(gap)
+            before[stage, kernel["name"][:60]].append(gap)
     span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"] if kernels else 0.0
-    return busy, span, gaps, work
+    return busy, span, gaps, work, before
 
 
 @torch.inference_mode()
@@ -104,7 +106,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "trace.json"
             prof.export_chrome_trace(str(path))
-            busy, span, gaps, work = gaps_by_stage(json.loads(path.read_text()))
+            busy, span, gaps, work, before = gaps_by_stage(json.loads(path.read_text()))
         rounds = traced.num_rounds
         idle = sum(sum(v) for v in gaps.values())
         by_stage = ", ".join(f"{stage} {sum(v) / 1e3 / rounds:.2f} ({len(v)})" for stage, v in
@@ -113,6 +115,9 @@ def main() -> int:
                      f"{busy / 1e3 / rounds:>16.2f} {idle / 1e3 / rounds:>13.2f}  {by_stage}")
         lines.append(f"{'':>14} kernels by stage (ms/round): " + ", ".join(
             f"{stage} {us / 1e3 / rounds:.2f}" for stage, us in sorted(work.items(), key=lambda kv: -kv[1])))
+        lines.append(f"{'':>14} the kernels the GPU waited for most (ms/round, gaps/round): " + "; ".join(
+            f"{stage}: {name} {sum(v) / 1e3 / rounds:.3f} ({len(v) / rounds:.1f})" for (stage, name), v in
+            sorted(before.items(), key=lambda kv: -sum(kv[1]))[:8]))
         lines.append(f"{'':>14} (whole call {wall_ms:.1f} ms untraced; traced kernel span {span / 1e3:.1f} ms, "
                      "prefill included)")
     print("\n".join(lines))

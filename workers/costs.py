@@ -17,9 +17,9 @@ times each piece on this actor's target and drafter:
   known, as a line in the verify width.
 
 ``predict`` prices every replayed round (``workers.decoding.methods``: each method's own rounds) with
-the table. Each piece is timed with a synchronise after every call (a round reads the host once, so its
-pieces do not overlap much); the fastest of a few repeats, since other load on the machine only adds
-time. Values between measured anchors are interpolated linearly.
+the table. Each piece is timed with a synchronise after every call (a round's pieces run one after
+another on the GPU; only the host's one read overlaps the next draft, which the calibrated remainder
+absorbs); the fastest of a few repeats, since other load on the machine only adds time. Values between measured anchors are interpolated linearly.
 """
 
 from __future__ import annotations

@@ -9,10 +9,12 @@ becomes the next bonus. Lossless at any temperature, as for DFlash.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from workers.decoding.drafting import open_drafting
-from workers.decoding.generation import NULL_TIMER, GenerationConfig, GenerationOutput, open_generation
+from workers.decoding.generation import NULL_TIMER, GenerationConfig, GenerationOutput, open_generation, read_later
 from workers.decoding.params import TreeParams
 from workers.decoding.replay import ReplayTable, ddtree_lengths
 from workers.decoding.sampling import sample_tokens
@@ -37,9 +39,11 @@ def generate(
     drafting = open_drafting(drafter, target, start.capacity)
 
     rounds: list[int] = []
-    while not out.done:
+    ended_at = None  # when the last round's tokens reached the host
+    if not out.done:
         with timer.stage("draft"):
             draft = drafting.draft(bonus, new_context, params.max_depth)  # logits [max_depth, V] or a Lattice
+    while not out.done:
         with timer.stage("tree"):
             tree = drafting.build_tree(draft, params)  # on the drafter's device
         with timer.stage("verify"):
@@ -52,19 +56,27 @@ def generate(
             # the device, so the commit and the drafter's next context need no host-to-device copy
             nodes = torch.arange(accepted.shape[0], device=accepted.device)
             path_padded = torch.where(accepted, nodes, accepted.shape[0]).sort().values  # [n+1]
-            walk = torch.stack((path_padded, choices)).cpu()  # sync: the round's one host read
+            count = accepted.sum()  # path length, on the device
+            bonus = choices.gather(0, path_padded.gather(0, count.view(1) - 1))  # [1] the choice after its last node
+            walk = read_later(torch.stack((path_padded, choices)))
+        with timer.stage("draft"):  # the next round's, queued before the host reads this one's outcome
+            rows = path_padded[: drafter.block_size].clamp(max=accepted.shape[0] - 1)  # the path's first
+            context = verified.taps.index_select(1, rows.to(verified.taps.device))
+            draft = drafting.draft_counted(bonus, context, count, params.max_depth)
+        with timer.stage("commit"):
+            walk = walk()  # sync: the round's one host read (the next draft keeps the GPU busy meanwhile)
+            ended_at = time.perf_counter()
             count = int((walk[0] < accepted.shape[0]).sum())
-            path, last = walk[0, :count], int(walk[0, count - 1])  # root first
-            path_on_device = path_padded[:count]
-            target.commit(path_on_device)
-            new_context = verified.taps[:, path_on_device.to(verified.taps.device)]
-            bonus = choices[last : last + 1]
+            path = walk[0, :count]  # root first
+            drafting.advance(count)
+            target.commit(path_padded[:count])
             # an accepted node's token is the target's choice at its parent: the choices along the
             # path are the accepted tokens, then the next bonus
             out.extend(walk[1, path].tolist())
         rounds.append(count)
+    # a draft queued for a round that did not come is dropped; the decode time ends at the last read
 
-    ttft, decode = start.clock.finish()
+    ttft, decode = start.clock.finish(ended_at)
     return GenerationOutput(out.tokens, rounds, dict(timer.totals), ttft, decode)
 
 

@@ -9,10 +9,12 @@ committed token is a target sample.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from workers.decoding.drafting import open_drafting
-from workers.decoding.generation import NULL_TIMER, GenerationConfig, GenerationOutput, open_generation
+from workers.decoding.generation import NULL_TIMER, GenerationConfig, GenerationOutput, open_generation, read_later
 from workers.decoding.params import DFlashParams
 from workers.decoding.replay import ReplayTable, dflash_lengths
 from workers.decoding.sampling import sample_tokens
@@ -38,9 +40,12 @@ def generate(
     steps = torch.arange(num_draft + 1, device=bonus.device)  # a commit keeps steps[:accepted+1]
 
     rounds: list[int] = []
-    while not out.done:
+    ended_at = None  # when the last round's tokens reached the host
+    if not out.done:
         with timer.stage("draft"):
             draft = drafting.draft(bonus, new_context, num_draft)  # logits [n, V] (DFlash2: a Lattice)
+    while not out.done:
+        with timer.stage("draft"):
             guesses = drafting.chain(draft)  # [n] greedy chain, also at T > 0
         with timer.stage("verify"):
             chain = torch.cat((bonus, guesses.to(bonus.device)))  # [n+1]
@@ -48,16 +53,22 @@ def generate(
         with timer.stage("commit"):
             choices = sample_tokens(verified.logits, config.temperature, generator)  # [n+1]
             guesses = guesses.to(choices.device)
-            walk = torch.cat((guesses, choices)).cpu()  # sync: the round's one host read
-            drafted, chosen = walk[:num_draft], walk[num_draft:]
-            accepted = int((drafted == chosen[:-1]).int().cumprod(dim=0).sum())
+            matched = (guesses == choices[:-1]).int().cumprod(dim=0).sum()  # accepted guesses, on the device
+            bonus = choices.gather(0, matched.view(1))  # [1] the target's choice after them
+            walk = read_later(torch.cat((guesses, choices, matched.view(1))))
+        with timer.stage("draft"):  # the next round's, queued before the host reads this one's outcome
+            draft = drafting.draft_counted(bonus, verified.taps, matched + 1, num_draft)
+        with timer.stage("commit"):
+            walk = walk()  # sync: the round's one host read (the next draft keeps the GPU busy meanwhile)
+            ended_at = time.perf_counter()
+            drafted, chosen, accepted = walk[:num_draft], walk[num_draft:-1], int(walk[-1])
+            drafting.advance(accepted + 1)
             target.commit(steps[: accepted + 1])
-            new_context = verified.taps[:, : accepted + 1]
-            bonus = choices[accepted : accepted + 1]
             out.extend(drafted[:accepted].tolist() + [int(chosen[accepted])])
         rounds.append(accepted + 1)
+    # a draft queued for a round that did not come is dropped; the decode time ends at the last read
 
-    ttft, decode = start.clock.finish()
+    ttft, decode = start.clock.finish(ended_at)
     return GenerationOutput(out.tokens, rounds, dict(timer.totals), ttft, decode)
 
 

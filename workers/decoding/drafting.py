@@ -7,13 +7,17 @@ drafter's ``Lattice`` of candidates. DFlash drafts its ``chain``, DDTree builds 
 ``open_drafting`` picks the way once per generation:
 
 - ``EagerDrafting``: the pass launched op by op (CPU, targets split over devices, debugging);
-- ``GraphDrafting``: the pass replayed from a CUDA graph per (new-context length, rows), and the
-  tree build from a graph per tree knobs. Graphs hold the addresses of its buffers and drafter
+- ``GraphDrafting``: the pass replayed from a CUDA graph per drafted rows, and the tree build from a
+  graph per tree knobs. Graphs hold the addresses of its buffers and drafter
   cache, so one ``GraphDrafting`` is kept for as long as the target lives, by a ``DraftGraphStore``
   in the target's ``drafter_graphs`` (beside the target's own graphs), and reset per generation.
 
 Both have the same calls: ``draft(bonus, new_context, rows) -> Draft``, ``chain(draft) -> tokens
-[rows]`` and ``build_tree(draft, params) -> DraftTree``.
+[rows]`` and ``build_tree(draft, params) -> DraftTree``, and the round's form of ``draft``:
+``draft_counted(bonus, context_rows, count, rows)`` takes the new context's length as a device scalar
+(the first ``count`` of ``context_rows``; ``DFlashDrafter.forward_at``), so an engine queues the next
+draft before its one host read and the GPU never waits for the host between rounds; the engine then
+tells ``advance(count)`` what the read said.
 """
 
 from __future__ import annotations
@@ -39,6 +43,19 @@ def _eager_pass(drafter: DFlashDrafter, target: Target, cache: DrafterCache, bon
     return drafter.propose(hidden[0, 1 : 1 + rows], target.model.get_output_embeddings(), block_ids[0, :1])
 
 
+def _padded(context_rows: torch.Tensor, width: int) -> torch.Tensor:
+    """context_rows [1, m, k*H] (m <= width) followed by zero rows up to ``width`` rows."""
+    padded = context_rows.new_zeros((1, width, context_rows.shape[2]))
+    padded[:, : context_rows.shape[1]] = context_rows
+    return padded
+
+
+def _check_room(cache: DrafterCache, rows: int) -> None:
+    """A pass writes ``rows`` slots past the committed context: refuse one the cache cannot hold."""
+    if cache.length + rows > cache.capacity:
+        raise RuntimeError(f"drafter cache overflow: {cache.length + rows} > capacity {cache.capacity}")
+
+
 def chain(draft: Draft) -> torch.Tensor:
     """The chain a DFlash round drafts [rows]: the drafter's greedy guesses (argmax of the draft
     logits; DFlash2: the selector's greedy walk), at any temperature."""
@@ -52,6 +69,26 @@ class EagerDrafting:
 
     def draft(self, bonus: torch.Tensor, new_context: torch.Tensor, rows: int) -> Draft:
         return _eager_pass(self.drafter, self.target, self.cache, bonus, new_context, rows)
+
+    def draft_counted(self, bonus: torch.Tensor, context_rows: torch.Tensor, count: torch.Tensor, rows: int) -> Draft:
+        """The pass whose new context is the first ``count`` (a device scalar) of ``context_rows`` [1, m,
+        k*H], padded to the block's rows as ``GraphDrafting`` pads them (the same products, so the same
+        bits); ``advance(count)`` follows once the host knows it."""
+        drafter, cache = self.drafter, self.cache
+        padded = _padded(context_rows, drafter.block_size)
+        _check_room(cache, padded.shape[1] + drafter.block_size)
+        block_ids = torch.full((1, drafter.block_size), drafter.spec.mask_token_id, dtype=torch.long,
+                               device=bonus.device)
+        block_ids[0, :1] = bonus.view(1)
+        embed = self.target.model.get_input_embeddings()
+        block_embeds = embed(block_ids.to(embed.weight.device)).to(drafter.fc.weight.device)
+        length = torch.tensor(cache.length, device=padded.device)
+        hidden = drafter.forward_at(block_embeds, padded, cache, length, count=count.to(padded.device))
+        return drafter.propose(hidden[0, 1 : 1 + rows], self.target.model.get_output_embeddings(), block_ids[0, :1])
+
+    def advance(self, count: int) -> None:
+        """The last ``draft_counted`` pass's new context was ``count`` rows."""
+        self.cache.length += count
 
     def chain(self, draft: Draft) -> torch.Tensor:
         return chain(draft)
@@ -73,8 +110,10 @@ class GraphDrafting:
                                     device=weight.device)
         self.context = torch.zeros((1, drafter.block_size, weight.shape[1]), dtype=weight.dtype, device=weight.device)
         self.length = torch.zeros((), dtype=torch.long, device=weight.device)
-        # by (new-context length, rows): up to block_size lengths for each of a few drafting depths
-        self.graphs = GraphCache(3 * drafter.block_size)
+        self.count = torch.zeros((), dtype=torch.long, device=weight.device)  # new context rows of the pass
+        # by drafted rows (a few drafting depths); every pass reads block_size context rows, the first
+        # ``count`` of them new
+        self.graphs = GraphCache(8)
         # DDTree's tree build by (tree knobs, logits shape): ~290 small kernels of fixed shapes, far
         # cheaper replayed than launched one by one from Python (benchmarks/gpu_speed.py)
         self.tree_graphs = GraphCache(4)
@@ -86,17 +125,32 @@ class GraphDrafting:
         num_new = new_context.shape[1]
         if num_new > self.drafter.block_size:
             return _eager_pass(self.drafter, self.target, self.cache, bonus, new_context, rows)
-        if self.cache.length + num_new + self.drafter.block_size > self.capacity:
-            raise RuntimeError(f"drafter cache overflow: {self.cache.length + num_new} > capacity {self.capacity}")
+        self.count.fill_(num_new)
+        proposal = self._replay(bonus, new_context, rows)
+        self.advance(num_new)
+        return proposal
+
+    def draft_counted(self, bonus: torch.Tensor, context_rows: torch.Tensor, count: torch.Tensor, rows: int) -> Draft:
+        """The pass whose new context is the first ``count`` (a device scalar) of ``context_rows`` [1, m,
+        k*H] (m at most block_size), replayed; ``advance(count)`` follows once the host knows it."""
+        self.count.copy_(count)
+        return self._replay(bonus, context_rows, rows)
+
+    def advance(self, count: int) -> None:
+        """The last pass's new context was ``count`` rows."""
+        self.cache.length += count
+
+    def _replay(self, bonus: torch.Tensor, context_rows: torch.Tensor, rows: int) -> Draft:
+        """Copy the pass's inputs into the graph's buffers and replay it (captured the first time ``rows``
+        comes). The committed length is the host's: every pass before this one has been ``advance``d."""
+        _check_room(self.cache, self.context.shape[1] + self.drafter.block_size)
         self.block_ids[0, :1].copy_(bonus.view(1))
-        self.context[:, :num_new].copy_(new_context)
+        self.context[:, : context_rows.shape[1]].copy_(context_rows)
         self.length.fill_(self.cache.length)
-        key = (num_new, rows)
-        if key not in self.graphs:  # the warm-ups rewrite the same context K/V into the same slots
-            self.graphs[key] = capture(lambda: self._pass(num_new, rows))
-        graph, proposal = self.graphs[key]
+        if rows not in self.graphs:  # the warm-ups rewrite the same context K/V into the same slots
+            self.graphs[rows] = capture(lambda: self._pass(rows))
+        graph, proposal = self.graphs[rows]
         graph.replay()
-        self.cache.length += num_new
         return proposal
 
     def chain(self, draft: Draft) -> torch.Tensor:
@@ -114,9 +168,9 @@ class GraphDrafting:
         graph.replay()
         return tree
 
-    def _pass(self, num_new: int, rows: int) -> Draft:
+    def _pass(self, rows: int) -> Draft:
         embeds = self.target.model.get_input_embeddings()(self.block_ids)
-        hidden = self.drafter.forward_at(embeds, self.context[:, :num_new], self.cache, self.length, self.fused)
+        hidden = self.drafter.forward_at(embeds, self.context, self.cache, self.length, self.fused, count=self.count)
         return self.drafter.propose(hidden[0, 1 : 1 + rows], self.target.model.get_output_embeddings(),
                                     self.block_ids[0, :1])
 
@@ -140,6 +194,7 @@ class DraftGraphStore:
 def open_drafting(drafter: DFlashDrafter, target: Target, capacity: int) -> EagerDrafting | GraphDrafting:
     """Graph drafting when the target replays graphs itself (the store kept in its ``drafter_graphs``),
     else eager."""
+    capacity += 2 * drafter.block_size  # a pass writes a block of context rows and the block past the committed
     if not target.graphs:
         return EagerDrafting(drafter, target, capacity)
     if target.drafter_graphs is None:

@@ -105,6 +105,24 @@ def device_sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
+def read_later(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Start copying a small device tensor to the host without waiting for the work queued after it:
+    returns the call that waits for the copy alone and gives the host tensor (on the CPU, the tensor).
+    An engine queues its next draft between the two, so the GPU is busy while the host reads."""
+    if tensor.device.type != "cuda":
+        return lambda: tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(tensor.device))
+
+    def wait() -> torch.Tensor:
+        copied.synchronize()
+        return host
+
+    return wait
+
+
 class Clock:
     """TTFT / decode split for one generation, synchronising only at the two boundaries."""
 

@@ -28,7 +28,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from workers.models.attention import NO_CUDNN, grouped_attention
 from workers.models.drafter_config import DrafterSpec, LayerAttention, attention_mask
-from workers.models.fused_drafter import fused_pass
+from workers.models.fused_drafter import context_slots, fused_pass
 from workers.models.fused_layer import FusedLayer, fused_layer_for
 
 
@@ -190,25 +190,27 @@ class DFlashDrafter(nn.Module):
 
     def forward_at(
         self, block_embeds: torch.Tensor, new_context: torch.Tensor, cache: DrafterCache, length: torch.Tensor,
-        fused: bool = True,
+        fused: bool = True, count: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``forward`` with the committed context length as a device scalar, for CUDA-graph capture:
         the new context's K/V go to slots length.., and attention reads the whole cache under a mask
-        instead of a host-sized slice. Leaves ``cache.length`` to the caller. The cache needs room for
-        the block after the new context. ``fused``: run the layers as ``fused_drafter`` does, where
-        every layer allows (False: op by op, as the benchmarks compare)."""
+        instead of a host-sized slice. Leaves ``cache.length`` to the caller. ``count``: a device scalar,
+        how many of new_context's T rows are new context (None: all); the block then sits at length +
+        count, the other rows' K/V go past the block (``context_slots``) where no mask reaches, and the
+        cache needs room for T + block slots past length. ``fused``: run the layers as ``fused_drafter``
+        does, where every layer allows (False: op by op, as the benchmarks compare)."""
         layers = self.fused_layers() if fused else None
         if layers is not None:
-            return fused_pass(self, layers, block_embeds, new_context, cache, length)
+            return fused_pass(self, layers, block_embeds, new_context, cache, length, count)
         num_new, block = new_context.shape[1], block_embeds.shape[1]
         device = new_context.device
-        positions = (length + torch.arange(num_new + block, device=device)).unsqueeze(0)
+        positions = context_slots(length, num_new, block, count).unsqueeze(0)  # [1, T + b]
         context = self.hidden_norm(self.fc(new_context))
         ctx_rope = self.rotary_emb(context, positions[:, :num_new])
         block_rope = self.rotary_emb(block_embeds, positions[:, num_new:])
         slots = torch.arange(cache.capacity, device=device)
         key_positions = torch.cat((slots, positions[0, num_new:]))  # the cache's slots, then the block
-        exists = torch.cat((slots < length + num_new, torch.ones(block, dtype=torch.bool, device=device)))
+        exists = torch.cat((slots < positions[0, -1] + 1 - block, torch.ones(block, dtype=torch.bool, device=device)))
         masks = self.layer_masks(positions[0, num_new:], key_positions, exists, block_embeds.dtype)
         hidden = block_embeds
         for index, layer in enumerate(self.layers):

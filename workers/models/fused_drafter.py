@@ -45,18 +45,34 @@ from workers.models.fused_layer import (
 from workers.models.kernels import triton_available
 
 
+def context_slots(length: torch.Tensor, num_new: int, block: int, count: torch.Tensor | None) -> torch.Tensor:
+    """The cache slot (= position) of each row of a pass over T = ``num_new`` context rows then ``block``
+    rows, after ``length`` committed ones [T + b]: the first ``count`` context rows (all when None) at
+    length.., the block right after them, and the context rows past ``count`` (padding) after the block,
+    so that their K/V land where neither this pass's masks nor a later pass's reach before it rewrites
+    them."""
+    rows = torch.arange(num_new + block, device=length.device)
+    if count is None:
+        return length + rows
+    context = torch.where(rows[:num_new] < count, rows[:num_new], rows[:num_new] + block)
+    return torch.cat((length + context, length + count + rows[:block]))
+
+
 def fused_pass(drafter: nn.Module, layers: list[FusedLayer], block_embeds: torch.Tensor,
-               new_context: torch.Tensor, cache, length: torch.Tensor) -> torch.Tensor:
+               new_context: torch.Tensor, cache, length: torch.Tensor,
+               count: torch.Tensor | None = None) -> torch.Tensor:
     """``DFlashDrafter.forward_at`` through ``layers``: block_embeds [1, b, H] at positions length + T..,
     new_context [1, T, k*H] (taps of tokens at length..length+T-1), cache with room for T + b slots
-    past length -> the final-normed block hidden states [1, b, H]. Leaves ``cache.length`` to the caller."""
+    past length -> the final-normed block hidden states [1, b, H]. ``count``: a device scalar, how many
+    of the T context rows are new context (None: all; the slots as ``context_slots``). Leaves
+    ``cache.length`` to the caller."""
     num_new, block = new_context.shape[1], block_embeds.shape[1]
-    rows, device = num_new + block, block_embeds.device
-    positions = length + torch.arange(rows, device=device)  # [T + b]: the context's, then the block's (= slots)
+    device = block_embeds.device
+    positions = context_slots(length, num_new, block, count)  # [T + b]: the context's, then the block's (= slots)
     context = rms_norm(F.linear(new_context[0], drafter.fc.weight), drafter.hidden_norm)  # [T, H]
     cos, sin = drafter.rotary_emb(context, positions[None])  # [1, T + b, D]
     slots = torch.arange(cache.capacity, device=device)
-    exists = slots < length + rows  # the committed context, this pass's context and the block
+    exists = slots <= positions[-1]  # the committed context, this pass's context and the block
     groups = layers[0].query_heads // layers[0].kv_heads
     kinds = drafter.spec.layer_attention
     inputs = {kind: PassInputs.build(cos, sin, positions,  # layers that attend alike share their inputs

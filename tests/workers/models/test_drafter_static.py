@@ -1,9 +1,15 @@
 """The drafter's capturable pass (``forward_at``: device-side length, whole cache under a mask) must
-equal its plain pass round after round, with new contexts of every length a round can commit."""
+equal its plain pass round after round, with new contexts of every length a round can commit, also
+when the count of new context rows is a device scalar over a padded context."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+
+from tests.workers.models.test_drafter_attention import CASES, drafter_for, inputs
+
+ROUNDS = (4, 1, 6, 2, 5, 1, 3, 6)  # a prompt of 4 (within one block), then rounds committing 1..6 tokens
 
 
 def test_forward_at_equals_forward_over_rounds(tiny):
@@ -24,3 +30,28 @@ def test_forward_at_equals_forward_over_rounds(tiny):
             static.length += num_new
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert plain.length == static.length == 38
+
+
+@pytest.mark.parametrize("case", ["plain DFlash", "Qwen3.6-27B layout", "window inside the block"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_counted_pass_over_padded_context_equals_the_plain_pass(case, fused):
+    """The engines queue the next draft before the host knows how many tokens were committed: the
+    pass takes ``block_size`` context rows of which the first ``count`` (a device scalar) are new.
+    The padding (anything finite: here large random rows) must change nothing, in this pass or the
+    ones after it, with windows shorter than the block among the layers."""
+    layers, change, _ = CASES[case]
+    drafter = drafter_for(layers, change)
+    taps, block_embeds = inputs(drafter, sum(ROUNDS))
+    generator = torch.Generator().manual_seed(2)
+    padded_rows = drafter.block_size
+    plain, counted = drafter.new_cache(96), drafter.new_cache(96)
+    with torch.inference_mode():
+        for new in ROUNDS:
+            context = taps[None, plain.length : plain.length + new]
+            want = drafter(block_embeds[None], context, plain)
+            padded = 10 * torch.randn(1, padded_rows, taps.shape[1], generator=generator)
+            padded[:, :new] = context
+            got = drafter.forward_at(block_embeds[None], padded, counted, torch.tensor(counted.length),
+                                     fused=fused, count=torch.tensor(new))
+            counted.length += new
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

@@ -75,6 +75,41 @@ def test_drafter_graph_logits_equal_eager_past_the_window(request, name):
     assert graphed.graphs, "the drafter pass was never replayed from a graph"
 
 
+@pytest.mark.parametrize("name", ["tiny", "tiny_small_vocab"])
+def test_counted_drafter_graph_equals_eager_counted_and_plain_passes(request, name):
+    """The round's form of a draft (the new context's length a device scalar over a block of context
+    rows, queued before the host read) replayed from a graph gives the eager counted pass's logits,
+    and both the plain eager pass's, round after round past the window."""
+    from workers.decoding.drafting import EagerDrafting
+
+    tiny = request.getfixturevalue(name)
+    model, drafter = copy.deepcopy(tiny.model).cuda(), copy.deepcopy(tiny.drafter).cuda()
+    target = StaticTarget(model, drafter.spec.target_layer_ids, graphs=True)
+    plain, eager = EagerDrafting(drafter, target, 256), EagerDrafting(drafter, target, 256)
+    graphed = DraftGraphStore().open(drafter, target, 256)
+    generator = torch.Generator().manual_seed(1)
+    block = drafter.block_size
+    taps = torch.randn(1, 80, drafter.fc.in_features, generator=generator).cuda()
+    bonus = torch.randint(1, tiny.shape.vocab_size, (12,), generator=generator).cuda()
+    fed = 20
+    for drafting in (plain, eager, graphed):
+        drafting.draft(bonus[:1], taps[:, :fed], block - 1)  # the prompt
+    for index, new in enumerate((1, block, 3, 2, block, 1, 4), 1):
+        rows = torch.randn(1, block, taps.shape[2], generator=generator).cuda()  # padding: anything finite
+        rows[:, :new] = taps[:, fed : fed + new]
+        count = torch.tensor(new, device="cuda")
+        want = plain.draft(bonus[index : index + 1], taps[:, fed : fed + new], block - 1)
+        counted = eager.draft_counted(bonus[index : index + 1], rows, count, block - 1)
+        got = graphed.draft_counted(bonus[index : index + 1], rows, count, block - 1)
+        for drafting in (eager, graphed):
+            drafting.advance(new)
+        torch.testing.assert_close(got, counted, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(counted, want, atol=1e-4, rtol=1e-4)
+        fed += new
+    assert fed > max(a.window or 0 for a in drafter.spec.layer_attention)
+    assert plain.cache.length == eager.cache.length == graphed.cache.length == fed
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_tree_built_on_the_gpu_equals_the_cpu_tree(seed):
     """build_tree runs where the drafter's logits are: the GPU's sorts must give the CPU's tree,
