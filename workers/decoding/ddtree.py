@@ -56,13 +56,13 @@ def generate(
             # the device, so the commit and the drafter's next context need no host-to-device copy
             nodes = torch.arange(accepted.shape[0], device=accepted.device)
             path_padded = torch.where(accepted, nodes, accepted.shape[0]).sort().values  # [n+1]
-            count = accepted.sum()  # path length, on the device
-            bonus = choices.gather(0, path_padded.gather(0, count.view(1) - 1))  # [1] the choice after its last node
+            reached = accepted.sum()  # the path's length, on the device
+            bonus = choices.gather(0, path_padded.gather(0, reached.view(1) - 1))  # [1] the choice after its last node
             walk = read_later(torch.stack((path_padded, choices)))
         with timer.stage("draft"):  # the next round's, queued before the host reads this one's outcome
             rows = path_padded[: drafter.block_size].clamp(max=accepted.shape[0] - 1)  # the path's first
             context = verified.taps.index_select(1, rows.to(verified.taps.device))
-            draft = drafting.draft_counted(bonus, context, count, params.max_depth)
+            draft = drafting.draft_counted(bonus, context, reached, params.max_depth)
         with timer.stage("commit"):
             walk = walk()  # sync: the round's one host read (the next draft keeps the GPU busy meanwhile)
             ended_at = time.perf_counter()

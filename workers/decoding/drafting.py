@@ -32,14 +32,22 @@ from workers.seam import Draft, DraftTree, Lattice, Target
 
 
 def _eager_pass(drafter: DFlashDrafter, target: Target, cache: DrafterCache, bonus: torch.Tensor,
-                new_context: torch.Tensor, rows: int) -> Draft:
+                new_context: torch.Tensor, rows: int, count: torch.Tensor | None = None) -> Draft:
     """One drafter pass -> its proposal for the first ``rows`` positions after the bonus. The whole
-    block always runs (the drafter was trained on full blocks)."""
+    block always runs (the drafter was trained on full blocks). ``count``: a device scalar, the new
+    context is the first ``count`` rows of ``new_context``, which is padded to the block's rows as
+    ``GraphDrafting`` pads it (the same products, so the same bits); the caller advances the cache."""
     block_ids = torch.full((1, drafter.block_size), drafter.spec.mask_token_id, dtype=torch.long, device=bonus.device)
-    block_ids[0, 0] = bonus[0]
+    block_ids[0, :1] = bonus.view(1)
     embed = target.model.get_input_embeddings()
     block_embeds = embed(block_ids.to(embed.weight.device)).to(drafter.fc.weight.device)
-    hidden = drafter(block_embeds, new_context, cache)  # [1, block, H]
+    if count is None:
+        hidden = drafter(block_embeds, new_context, cache)  # [1, block, H]
+    else:
+        padded = _padded(new_context, drafter.block_size)
+        _check_room(cache, padded.shape[1] + drafter.block_size)
+        length = torch.tensor(cache.length, device=padded.device)
+        hidden = drafter.forward_at(block_embeds, padded, cache, length, count=count.to(padded.device))
     return drafter.propose(hidden[0, 1 : 1 + rows], target.model.get_output_embeddings(), block_ids[0, :1])
 
 
@@ -72,19 +80,8 @@ class EagerDrafting:
 
     def draft_counted(self, bonus: torch.Tensor, context_rows: torch.Tensor, count: torch.Tensor, rows: int) -> Draft:
         """The pass whose new context is the first ``count`` (a device scalar) of ``context_rows`` [1, m,
-        k*H], padded to the block's rows as ``GraphDrafting`` pads them (the same products, so the same
-        bits); ``advance(count)`` follows once the host knows it."""
-        drafter, cache = self.drafter, self.cache
-        padded = _padded(context_rows, drafter.block_size)
-        _check_room(cache, padded.shape[1] + drafter.block_size)
-        block_ids = torch.full((1, drafter.block_size), drafter.spec.mask_token_id, dtype=torch.long,
-                               device=bonus.device)
-        block_ids[0, :1] = bonus.view(1)
-        embed = self.target.model.get_input_embeddings()
-        block_embeds = embed(block_ids.to(embed.weight.device)).to(drafter.fc.weight.device)
-        length = torch.tensor(cache.length, device=padded.device)
-        hidden = drafter.forward_at(block_embeds, padded, cache, length, count=count.to(padded.device))
-        return drafter.propose(hidden[0, 1 : 1 + rows], self.target.model.get_output_embeddings(), block_ids[0, :1])
+        k*H]; ``advance(count)`` follows once the host knows it."""
+        return _eager_pass(self.drafter, self.target, self.cache, bonus, context_rows, rows, count)
 
     def advance(self, count: int) -> None:
         """The last ``draft_counted`` pass's new context was ``count`` rows."""
