@@ -1,22 +1,24 @@
 """The products of a wide verify pass through cuBLASLt's other algorithms: is any faster than what
 torch's cuBLAS call runs? (``workers.models.lt_product``, which the layers use; needs ``nvmath-python``.)
 
-    python benchmarks/lt_gemm.py [--shape qwen3-8b] [--rows 257] [--count 8] [--splits] [--only o,down]
+    python benchmarks/lt_gemm.py [--shape qwen3-8b] [--rows 257] [--count 8] [--splits] [--grid] [--only o,down]
 
 Per projection of the named shape (``skinny_gemm.projections``; the residual sums in place): cuBLAS
 (``torch.mm`` / ``addmm_``, what the layers run), then every algorithm cuBLASLt's heuristic lists (up
-to ``--count``) and, with ``--splits``, each of them with K split 2-8 ways in each reduction scheme
-that cuBLASLt's check accepts. Each time is the median of CUDA
-graph replays of 20 back-to-back calls cycling through ``--copies`` copies of the weight (so that it
-comes from memory, not the L2), against the larger of the weight-read and compute floors measured in
-the same run. Prints the three fastest with their configuration and the fastest's relative difference
-to cuBLAS's output.
+to ``--count``), the first one's fitted tiles (``lt_product.fitted``) and, with ``--splits``, each
+offered one with K split 2-8 ways in each reduction scheme that cuBLASLt's check accepts. ``--grid``
+goes past these: every algorithm id cuBLASLt has for bf16 (and each offered one) with every tile its
+capabilities list (all where it lists none), in each of CLUSTERS, that cuBLASLt's check accepts; then
+the ten fastest of those with K split as ``--splits`` does. Each time is the median of CUDA graph
+replays of 20 back-to-back calls cycling through ``--copies`` copies of the weight (so that it comes
+from memory, not the L2), against the larger of the weight-read and compute floors measured in the
+same run. Prints the three (``--grid``: eight) fastest with their configuration and the fastest's
+relative difference to cuBLAS's output.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import itertools
 import sys
 
@@ -28,32 +30,65 @@ from gpu_speed import copy_bandwidth, matmul_rate
 from wide_gemm import cases
 
 from workers.models import lt_product
-from workers.models.lt_product import Algorithm, LtProduct
+from workers.models.lt_product import Algorithm, LtProduct, fitted, variant
 
 SPLITS = (2, 3, 4, 6, 8)
 SCHEMES = (1, 2, 4)  # cublasLtReductionScheme_t: in place, in the compute type, in the output type
+CLUSTERS = ("AUTO", "1x1x1", "2x1x1", "1x2x1", "4x1x1", "1x4x1", "2x2x1")  # D's rows (the weight's) x x's rows
 
 
 def split_variants(plan: LtProduct, offered: list[Algorithm]) -> list[Algorithm]:
     """Each offered algorithm with K split in each of SPLITS ways and each reduction scheme, where
     ``cublasLtMatmulAlgoCheck`` accepts it within the workspace."""
+    found = (variant(plan, base, {"SPLITK_NUM": split, "REDUCTION_SCHEME": scheme}, f"{base.source} split")
+             for base, split, scheme in itertools.product(offered, SPLITS, SCHEMES))
+    return [algo for algo in found if algo is not None]
+
+
+def _cap_ids(algo: Algorithm, name: str) -> list[int]:
+    """A capability of ``algo`` that is a list of ids (TILE_IDS, STAGES_IDS)."""
     lt = lt_product._lt()
-    check = np.zeros(1, dtype=lt.matmul_heuristic_result_dtype)
-    out = []
-    for base, split, scheme in itertools.product(offered, SPLITS, SCHEMES):
+    attribute, written = int(lt.MatmulAlgoCapAttribute[name]), np.zeros(1, np.uint64)
+    lt.matmul_algo_cap_get_attribute(algo.data.ptr, attribute, 0, 0, written.ctypes.data)  # its size
+    ids = np.zeros(max(int(written[0]) // 4, 1), np.uint32)
+    lt.matmul_algo_cap_get_attribute(algo.data.ptr, attribute, ids.ctypes.data, ids.nbytes, written.ctypes.data)
+    return ids[: int(written[0]) // 4].tolist()
+
+
+def config_grid(plan: LtProduct, offered: list[Algorithm]) -> list[Algorithm]:
+    """Every algorithm id cuBLASLt has for these types (bare) and each offered algorithm, with each tile
+    (those its capabilities list; all tiles where it lists none) in each of CLUSTERS with its own stages,
+    and in each automatic stage count with the automatic cluster; K unsplit; where cuBLASLt's check
+    accepts it."""
+    from nvmath import CudaDataType
+    from nvmath.bindings.cublas import ComputeType
+
+    lt = lt_product._lt()
+    handle = lt_product._handle(torch.cuda.current_device())
+    bf16, f32 = int(CudaDataType.CUDA_R_16BF), int(CudaDataType.CUDA_R_32F)
+    compute = int(ComputeType.COMPUTE_32F)
+    bases = list(offered)
+    for algo_id in lt.matmul_algo_get_ids(handle, compute, f32, bf16, bf16, bf16, bf16, 64):
         algo = lt.MatmulAlgo()
-        ctypes.memmove(algo.ptr, base.data.ptr, lt.matmul_algo_dtype.itemsize)
-        for name, value in (("SPLITK_NUM", split), ("REDUCTION_SCHEME", scheme)):
-            lt_product._set(lt.matmul_algo_config_set_attribute, algo.ptr, lt.MatmulAlgoConfigAttribute[name],
-                            np.array([value], np.uint32))
-        try:
-            lt.matmul_algo_check(lt_product._handle(torch.cuda.current_device()), plan.desc, plan.a, plan.b,
-                                 plan.c, plan.c, algo.ptr, check.ctypes.data)
-        except lt.cuBLASLtError:
-            continue
-        if int(check[0]["workspace_size"]) <= lt_product.WORKSPACE_BYTES:
-            out.append(Algorithm(algo, int(check[0]["workspace_size"]), f"{base.source} split"))
-    return out
+        lt.matmul_algo_init(handle, compute, f32, bf16, bf16, bf16, bf16, int(algo_id), algo.ptr)
+        bases.append(Algorithm(algo, 0, f"id {algo_id}"))
+    every_tile = [int(t) for name, t in lt.MatmulTile.__members__.items() if name != "UNDEFINED"]
+    auto_stages = [int(v) for name, v in lt.MatmulStages.__members__.items() if name.endswith("AUTO")]
+    clusters = [int(lt.ClusterShape[f"SHAPE_{c}"]) for c in CLUSTERS]
+    found, seen, checked = [], set(), 0
+    for base in bases:
+        stages = base.config()["stages_id"]
+        settings = [{"TILE_ID": tile, "CLUSTER_SHAPE_ID": cluster, "STAGES_ID": stage, "SPLITK_NUM": 1}
+                    for tile in (_cap_ids(base, "TILE_IDS") or every_tile)
+                    for cluster, stage in [(c, stages) for c in clusters] + [(clusters[0], a) for a in auto_stages]]
+        for setting in settings:
+            checked += 1
+            algo = variant(plan, base, setting, f"{base.source} grid")
+            if algo is not None and algo.describe() not in seen:
+                seen.add(algo.describe())
+                found.append(algo)
+    print(f"   grid: {len(bases)} bases, {checked} configurations checked, {len(found)} accepted", flush=True)
+    return found
 
 
 @torch.inference_mode()
@@ -64,6 +99,7 @@ def main() -> int:
     parser.add_argument("--copies", type=int, default=4)
     parser.add_argument("--count", type=int, default=lt_product.CANDIDATES, help="heuristic candidates asked for")
     parser.add_argument("--splits", action="store_true", help="also each offered algorithm with K split")
+    parser.add_argument("--grid", action="store_true", help="every algorithm id's tiles and cluster shapes")
     parser.add_argument("--only", default="", help="projection names, comma-separated (default: all)")
     args = parser.parse_args()
     bandwidth, rate = copy_bandwidth(), matmul_rate()
@@ -80,19 +116,30 @@ def main() -> int:
 
         baseline = replay_us(lambda: cublas(next(turn)))
         offered = plan.heuristic(args.count)
-        candidates = offered + (split_variants(plan, offered) if args.splits else [])
-        timed = []
-        for algo in candidates:
-            try:
-                us = replay_us(lambda a=algo: plan.run(x, next(turn), out, a), reps=5)
-            except Exception as error:  # noqa: BLE001 - a refused launch is one candidate fewer
-                print(f"   {algo.source}: {type(error).__name__}: {error}", flush=True)
-                continue
-            timed.append((us, algo))
-        timed.sort(key=lambda entry: entry[0])
+
+        def time_each(candidates: list[Algorithm]) -> list[tuple[float, Algorithm]]:
+            timed = []
+            for algo in candidates:
+                try:
+                    us = replay_us(lambda a=algo: plan.run(x, next(turn), out, a), reps=5)
+                except Exception as error:  # noqa: BLE001 - a refused launch is one candidate fewer
+                    print(f"   {algo.source}: {type(error).__name__}: {error}", flush=True)
+                    continue
+                timed.append((us, algo))
+            return sorted(timed, key=lambda entry: entry[0])
+
+        timed = time_each(offered + fitted(plan, offered[0], rows)
+                          + (split_variants(plan, offered) if args.splits else []))
+        if args.grid:
+            grid = config_grid(plan, offered)
+            grid_timed = time_each(grid)
+            print(f"{name:>8} M {rows}: {len(grid_timed)} of the grid's {len(grid)} unsplit configurations ran",
+                  flush=True)
+            best = [algo for _, algo in grid_timed[:10]]
+            timed = sorted(timed + grid_timed + time_each(split_variants(plan, best)), key=lambda entry: entry[0])
         if not timed:
             print(f"{name:>8} M {rows}: cuBLAS {baseline:.1f} us; no cuBLASLt candidate ran "
-                  f"({len(candidates)} offered)", flush=True)
+                  f"({len(offered)} offered)", flush=True)
             continue
         kept = out.clone()
         want = (out.addmm_(x, weights[0].t()) if add else F.linear(x, weights[0])).float()
@@ -106,7 +153,7 @@ def main() -> int:
               f"({baseline / floor:.2f}x); heuristic #0 {heuristic_first:.1f}; "
               f"{len(timed)} timed, rel diff of the best {diff:.1e}; lt_product chooses "
               f"{chooser[1].source if chooser else 'torch'}", flush=True)
-        for us, algo in timed[:3]:
+        for us, algo in timed[: 8 if args.grid else 3]:
             print(f"         {us:7.1f} us {us / floor:5.2f}x  {algo.source:>13}  ws {algo.workspace >> 10} KB  "
                   f"{algo.describe()}", flush=True)
     return 0

@@ -3,9 +3,12 @@ this GPU (CUDA only; ``nvmath-python``'s bindings of the cuBLASLt C API, the ``g
 
 out [M, N] = x [M, K] @ weight [N, K]^T, or out += it in place. torch's ``F.linear`` runs cuBLAS's
 heuristic first pick, and at a wide verify's rows the heuristic's list holds faster ones for some
-products (``benchmarks/lt_gemm.py``; figures in ``benchmarks/results/wide_passes_h200.md``). So the
-first time ``linear`` sees a shape (rows, N, K, summed or not) inside ``choosing()``, it times torch's
-own call against each algorithm the heuristic offers, on this call's operands into a scratch output
+products (``benchmarks/lt_gemm.py``; figures in ``benchmarks/results/wide_passes_h200.md``). Faster
+still, and never in that list, are the heuristic's own kernels with a tile whose side along x's rows
+fits the rows with little padding (at a verify's 257 rows, tiles 136 or 88 rows wide, not 128 or 256,
+whose third or second block holds one row): ``fitted`` makes those. So the first time ``linear`` sees
+a shape (rows, N, K, summed or not) inside ``choosing()``, it times torch's own call against each
+algorithm the heuristic offers and each fitted one, on this call's operands into a scratch output
 with the L2 flushed before each call (a pass reads each weight from memory), and keeps the fastest if
 it beats torch's by ``MARGIN``. ``graph_cache.capture`` runs its warm-up calls inside ``choosing()``,
 so the passes that replay as graphs (verify widths, full prompt chunks, the drafter's) are timed
@@ -23,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -32,6 +36,10 @@ import torch
 ENABLED = True  # off: every caller runs torch's own product (``benchmarks/gpu_speed.py --no-lt``)
 MARGIN = 0.05  # an algorithm replaces torch's call only if this much faster (a margin over the timing noise)
 CANDIDATES = 8  # the heuristic's list is asked for this many (cuBLASLt 13.1 offers 8 at most here)
+FIT_SIDES = (64, 128, 256)  # a fitted tile's side along the weight's rows (N)
+FIT_WIDTHS = 8  # the fitted tiles' sides along x's rows: this many, those that pad the rows least, of
+# those at least min(rows, 64) wide (narrower ones make many blocks of few rows: slower on every product timed)
+FIT_CLUSTERS = ("1x1x1", "1x2x1")  # cluster shapes tried for each fitted tile (N x rows)
 WORKSPACE_BYTES = 32 << 20  # the most an offered algorithm may use (one buffer per device, shared, made
 # when the first algorithm that uses one is timed: outside any capture, and never moved after)
 ALIGNMENT = 256  # bytes: cuBLASLt's heuristic assumes operands this aligned unless told otherwise
@@ -79,7 +87,7 @@ class Algorithm:
 
     data: object  # nvmath's MatmulAlgo: 64 bytes that cublasLtMatmul reads
     workspace: int
-    source: str  # "heuristic #i": its place in the list
+    source: str  # "heuristic #i": its place in the list; "fitted TILE/CLUSTER": made by ``fitted``
 
     def config(self) -> dict[str, int]:
         """Its id, tile, stages, split count, reduction scheme and cluster shape, as cuBLASLt numbers them."""
@@ -98,6 +106,53 @@ class Algorithm:
         c = self.config()
         return (f"id {c['id']} tile {c['tile_id']} stages {c['stages_id']} split {c['splitk_num']} "
                 f"reduce {c['reduction_scheme']} cluster {c['cluster_shape_id']}")
+
+
+def variant(plan: "LtProduct", base: Algorithm, settings: dict[str, int], source: str) -> Algorithm | None:
+    """``base`` with these config attributes (``MatmulAlgoConfigAttribute`` names) set, if
+    ``cublasLtMatmulAlgoCheck`` accepts it for ``plan`` within the workspace; else None."""
+    lt = _lt()
+    check = np.zeros(1, dtype=lt.matmul_heuristic_result_dtype)
+    algo = lt.MatmulAlgo()
+    ctypes.memmove(algo.ptr, base.data.ptr, lt.matmul_algo_dtype.itemsize)
+    try:
+        for name, value in settings.items():
+            attribute = lt.MatmulAlgoConfigAttribute[name]  # each its own width (TILE_ID 16 bits, SPLITK_NUM 32)
+            _set(lt.matmul_algo_config_set_attribute, algo.ptr, attribute,
+                 np.array([value], lt.get_matmul_algo_config_attribute_dtype(int(attribute))))
+        lt.matmul_algo_check(_handle(torch.cuda.current_device()), plan.desc, plan.a, plan.b, plan.c, plan.c,
+                             algo.ptr, check.ctypes.data)
+    except lt.cuBLASLtError:
+        return None
+    workspace = int(check[0]["workspace_size"])
+    return Algorithm(algo, workspace, source) if workspace <= WORKSPACE_BYTES else None
+
+
+@functools.cache
+def _tiles() -> tuple[tuple[int, int, int], ...]:
+    """(tile id, side along N, side along x's rows) of every tile cuBLASLt names ("TILE_64x136")."""
+    named = _lt().MatmulTile.__members__.items()
+    sized = ((int(tile), re.fullmatch(r"TILE_(\d+)x(\d+)", name)) for name, tile in named)
+    return tuple((tile, int(size[1]), int(size[2])) for tile, size in sized if size)  # not TILE_UNDEFINED
+
+
+def fitted_tiles(rows: int) -> list[int]:
+    """Tile ids with a side of FIT_SIDES along N and, along x's rows, one of the FIT_WIDTHS widths
+    that pad ``rows`` least (blocks x width - rows; the wider of equal paddings first: fewer blocks;
+    none narrower than min(rows, 64))."""
+    widths = sorted({width for _, side, width in _tiles() if side in FIT_SIDES and width >= min(rows, 64)},
+                    key=lambda width: (-(-rows // width) * width - rows, -width))[:FIT_WIDTHS]
+    return [tile for tile, side, width in _tiles() if side in FIT_SIDES and width in widths]
+
+
+def fitted(plan: "LtProduct", base: Algorithm, rows: int) -> list[Algorithm]:
+    """``base`` (the heuristic's first pick) with each of ``fitted_tiles(rows)`` in each FIT_CLUSTERS
+    shape, K unsplit, where cuBLASLt's check accepts it."""
+    clusters = [int(_lt().ClusterShape[f"SHAPE_{shape}"]) for shape in FIT_CLUSTERS]
+    found = (variant(plan, base, {"TILE_ID": tile, "CLUSTER_SHAPE_ID": cluster, "SPLITK_NUM": 1,
+                                  "REDUCTION_SCHEME": 0}, f"fitted {tile}/{cluster}")
+             for tile in fitted_tiles(rows) for cluster in clusters)
+    return [algo for algo in found if algo is not None]
 
 
 class LtProduct:
@@ -202,12 +257,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = Non
 
 
 def _choose(x: torch.Tensor, weight: torch.Tensor, add: bool) -> tuple[LtProduct, Algorithm] | None:
-    """Time torch's call and each offered algorithm on these operands; the fastest algorithm if it
-    beats torch's by MARGIN, else None."""
+    """Time torch's call, each offered algorithm and each fitted one on these operands; the fastest
+    algorithm if it beats torch's by MARGIN, else None."""
     plan = LtProduct(x.shape[0], weight.shape[0], x.shape[1], x.dtype, add)
     offered = [algo for algo in plan.heuristic(CANDIDATES) if algo.workspace <= WORKSPACE_BYTES]
     if not offered:
         return None
+    offered += fitted(plan, offered[0], x.shape[0])
     scratch = x.new_zeros(x.shape[0], weight.shape[0])
 
     def torch_call():

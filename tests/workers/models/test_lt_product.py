@@ -75,16 +75,32 @@ def operands(rows: int, width: int, inner: int, seed: int = 0):
 @pytest.mark.parametrize("add", [False, True])
 @torch.inference_mode()
 def test_every_offered_algorithm_computes_the_product(lt, rows, width, inner, add):
-    """The descriptors' layouts are torch's: each algorithm of the heuristic's list, run through them, gives
-    F.linear's product (or the residual plus it) within bfloat16's rounding."""
+    """The descriptors' layouts are torch's: each algorithm of the heuristic's list and each fitted one,
+    run through them, gives F.linear's product (or the residual plus it) within bfloat16's rounding."""
     x, weight, residual = operands(rows, width, inner, rows + width)
     want = residual.clone().addmm_(x, weight.t()) if add else F.linear(x, weight)
     plan = lt.LtProduct(rows, width, inner, torch.bfloat16, add)
     offered = plan.heuristic(lt.CANDIDATES)
     assert offered
-    for algo in offered:
+    made = lt.fitted(plan, offered[0], rows)
+    assert made and all(algo.config()["splitk_num"] == 1 for algo in made)
+    for algo in offered + made:
         out = residual.clone() if add else torch.full_like(residual, float("nan"))  # beta = 0 ignores it
         assert relative(plan.run(x, weight, out, algo), want) < 1e-2, algo.describe()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_fitted_tiles_pad_the_rows_least(lt):
+    """At a verify's 257 rows the tiles 136 and 88 rows wide (two and three blocks, 15 and 7 rows of
+    padding) are among the fitted; 128 and 256 (a third or second block for one row) and the narrow
+    ones are not; at 17 rows a 24-wide tile is."""
+    sides = {tile: (side, width) for tile, side, width in lt._tiles()}
+    at_257 = {sides[tile] for tile in lt.fitted_tiles(257)}
+    assert {(64, 136), (128, 88), (128, 264)} <= at_257
+    assert not at_257 & {(128, 128), (128, 256), (64, 8)} and min(width for _, width in at_257) >= 64
+    assert {side for side, _ in at_257} <= set(lt.FIT_SIDES)
+    assert (128, 24) in {sides[tile] for tile in lt.fitted_tiles(17)}
 
 
 @pytest.mark.gpu
