@@ -9,11 +9,11 @@ to ``--count``), the first one's fitted tiles (``lt_product.fitted``) and, with 
 offered one with K split 2-8 ways in each reduction scheme that cuBLASLt's check accepts. ``--grid``
 goes past these: every algorithm id cuBLASLt has for bf16 (and each offered one) with every tile its
 capabilities list (all where it lists none), in each of CLUSTERS, that cuBLASLt's check accepts; then
-the ten fastest of those with K split as ``--splits`` does. Each time is the median of CUDA graph
-replays of 20 back-to-back calls cycling through ``--copies`` copies of the weight (so that it comes
-from memory, not the L2), against the larger of the weight-read and compute floors measured in the
-same run. Prints the three (``--grid``: eight) fastest with their configuration and the fastest's
-relative difference to cuBLAS's output.
+the ten fastest of those (at a quick look: 8 calls, 3 replays), timed as the rest and with K split as
+``--splits`` does. Each time is the median of CUDA graph replays of 20 back-to-back calls cycling
+through ``--copies`` copies of the weight (so that it comes from memory, not the L2), against the
+larger of the weight-read and compute floors measured in the same run. Prints the three (``--grid``:
+eight) fastest with their configuration and the fastest's relative difference to cuBLAS's output.
 """
 
 from __future__ import annotations
@@ -117,11 +117,11 @@ def main() -> int:
         baseline = replay_us(lambda: cublas(next(turn)))
         offered = plan.heuristic(args.count)
 
-        def time_each(candidates: list[Algorithm]) -> list[tuple[float, Algorithm]]:
+        def time_each(candidates: list[Algorithm], calls: int = 20, reps: int = 5) -> list[tuple[float, Algorithm]]:
             timed = []
             for algo in candidates:
                 try:
-                    us = replay_us(lambda a=algo: plan.run(x, next(turn), out, a), reps=5)
+                    us = replay_us(lambda a=algo: plan.run(x, next(turn), out, a), calls=calls, reps=reps)
                 except Exception as error:  # noqa: BLE001 - a refused launch is one candidate fewer
                     print(f"   {algo.source}: {type(error).__name__}: {error}", flush=True)
                     continue
@@ -130,13 +130,13 @@ def main() -> int:
 
         timed = time_each(offered + fitted(plan, offered[0], rows)
                           + (split_variants(plan, offered) if args.splits else []))
-        if args.grid:
+        if args.grid:  # a quick look at each (8 calls, 3 replays), then the ten fastest as above, split too
             grid = config_grid(plan, offered)
-            grid_timed = time_each(grid)
-            print(f"{name:>8} M {rows}: {len(grid_timed)} of the grid's {len(grid)} unsplit configurations ran",
+            glance = time_each(grid, calls=8, reps=3)
+            print(f"{name:>8} M {rows}: {len(glance)} of the grid's {len(grid)} unsplit configurations ran",
                   flush=True)
-            best = [algo for _, algo in grid_timed[:10]]
-            timed = sorted(timed + grid_timed + time_each(split_variants(plan, best)), key=lambda entry: entry[0])
+            best = [algo for _, algo in glance[:10]]
+            timed = sorted(timed + time_each(best) + time_each(split_variants(plan, best)), key=lambda entry: entry[0])
         if not timed:
             print(f"{name:>8} M {rows}: cuBLAS {baseline:.1f} us; no cuBLASLt candidate ran "
                   f"({len(offered)} offered)", flush=True)
