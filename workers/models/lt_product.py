@@ -4,18 +4,18 @@ this GPU (CUDA only; ``nvmath-python``'s bindings of the cuBLASLt C API, the ``g
 out [M, N] = x [M, K] @ weight [N, K]^T, or out += it in place. torch's ``F.linear`` runs cuBLAS's
 heuristic first pick, and at a wide verify's rows the heuristic's list holds faster ones for some
 products (``benchmarks/lt_gemm.py``; figures in ``benchmarks/results/wide_passes_h200.md``). Faster
-still, and never in that list, are the heuristic's own kernels with a tile whose side along x's rows
-fits the rows with little padding (at a verify's 257 rows, tiles 136 or 88 rows wide, not 128 or 256,
-whose third or second block holds one row): ``fitted`` makes those. So the first time ``linear`` sees
-a shape (rows, N, K, summed or not) inside ``choosing()``, it times torch's own call against each
-algorithm the heuristic offers and each fitted one, on this call's operands into a scratch output
-with the L2 flushed before each call (a pass reads each weight from memory), and keeps the fastest if
-it beats torch's by ``MARGIN``. ``graph_cache.capture`` runs its warm-up calls inside ``choosing()``,
-so the passes that replay as graphs (verify widths, full prompt chunks, the drafter's) are timed
-there, before any timed run. A shape first met anywhere else keeps torch's call: a prompt's last
-partial chunk runs eagerly at the prompt's length, and timing each new length would land in timed
-runs (an AR baseline's among them). Either way the choice stays for the process: a captured graph and
-an eager pass of one shape run the same algorithm, so the same bits.
+still at some shapes is the heuristic's own kernel with tiles fitted to the rows in clusters its list
+does not pair them with (at a verify's 257 rows 64 x 136 or 128 x 88 tiles, x's rows in two or three
+blocks padded by 15 or 7, in 1x1 or 1x2 clusters): ``fitted`` makes those. So the first time ``linear``
+sees a shape (rows, N, K, summed or not) inside ``choosing()``, it times torch's own call against each
+algorithm the heuristic offers and each fitted one, on this call's operands into a scratch output with
+the L2 flushed before each call (a pass reads each weight from memory), times the fastest few again for
+longer, and keeps the fastest if it beats torch's by ``MARGIN``. ``graph_cache.capture`` runs its
+warm-up calls inside ``choosing()``, so the passes that replay as graphs (verify widths, full prompt
+chunks, the drafter's) are timed there, before any timed run. A shape first met anywhere else keeps
+torch's call: a prompt's last partial chunk runs eagerly at the prompt's length, and timing each new
+length would land in timed runs (an AR baseline's among them). Either way the choice stays for the
+process: a captured graph and an eager pass of one shape run the same algorithm, so the same bits.
 
 In cuBLAS's column-major terms the product is D [N, M] = op(A) B with A the weight read transposed
 (K x N, leading dimension K), B x (K x M) and C = D = out (N x M): the "TN" form torch runs.
