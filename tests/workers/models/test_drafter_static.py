@@ -55,3 +55,19 @@ def test_a_counted_pass_over_padded_context_equals_the_plain_pass(case, fused):
                                      fused=fused, count=torch.tensor(new))
             counted.length += new
             torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_context_slots_keep_the_padding_past_the_block():
+    """A counted pass's slots: the new context at length.., the block right after it, the padding past
+    the block, all distinct, so that no two rows of one pass write one K/V slot (on a GPU the order of
+    such writes is unknown; on the CPU the later one wins, so the pass tests above cannot see a clash)."""
+    from workers.models.fused_drafter import context_slots
+
+    length, rows, block = torch.tensor(37), 16, 16
+    assert torch.equal(context_slots(length, rows, block, None), 37 + torch.arange(rows + block))
+    for count in range(rows + 1):
+        slots = context_slots(length, rows, block, torch.tensor(count))
+        assert len(set(slots.tolist())) == rows + block
+        assert torch.equal(slots[:count], 37 + torch.arange(count))  # the new context
+        assert torch.equal(slots[rows:], 37 + count + torch.arange(block))  # the block right after it
+        assert bool((slots[count:rows] >= 37 + count + block).all())  # the padding past the block
