@@ -56,10 +56,10 @@ def _cap_ids(algo: Algorithm, name: str) -> list[int]:
 
 
 def config_grid(plan: LtProduct, offered: list[Algorithm]) -> list[Algorithm]:
-    """Every algorithm id cuBLASLt has for these types (bare) and each offered algorithm, with each tile
-    (those its capabilities list; all tiles where it lists none) in each of CLUSTERS with its own stages,
-    and in each automatic stage count with the automatic cluster; K unsplit; where cuBLASLt's check
-    accepts it."""
+    """Every algorithm id cuBLASLt has for these types (bare) and the offered algorithms (one per kernel
+    id and stage count: they differ in what the grid sets), with each tile (those its capabilities list;
+    all tiles where it lists none) in each of CLUSTERS with its own stages, and in each automatic stage
+    count with the automatic cluster; K unsplit; where cuBLASLt's check accepts it."""
     from nvmath import CudaDataType
     from nvmath.bindings.cublas import ComputeType
 
@@ -67,12 +67,17 @@ def config_grid(plan: LtProduct, offered: list[Algorithm]) -> list[Algorithm]:
     handle = lt_product._handle(torch.cuda.current_device())
     bf16, f32 = int(CudaDataType.CUDA_R_16BF), int(CudaDataType.CUDA_R_32F)
     compute = int(ComputeType.COMPUTE_32F)
-    bases = list(offered)
+    bases, kinds = [], set()
+    for algo in offered:  # those of one kernel and stage count would repeat each other's checks
+        kind = (algo.config()["id"], algo.config()["stages_id"])
+        if kind not in kinds:
+            kinds.add(kind)
+            bases.append(algo)
     for algo_id in lt.matmul_algo_get_ids(handle, compute, f32, bf16, bf16, bf16, bf16, 64):
         algo = lt.MatmulAlgo()
         lt.matmul_algo_init(handle, compute, f32, bf16, bf16, bf16, bf16, int(algo_id), algo.ptr)
         bases.append(Algorithm(algo, 0, f"id {algo_id}"))
-    every_tile = [int(t) for name, t in lt.MatmulTile.__members__.items() if name != "UNDEFINED"]
+    every_tile = [tile for tile, _, _ in lt_product._tiles()]
     auto_stages = [int(v) for name, v in lt.MatmulStages.__members__.items() if name.endswith("AUTO")]
     clusters = [int(lt.ClusterShape[f"SHAPE_{c}"]) for c in CLUSTERS]
     found, seen, checked = [], set(), 0
