@@ -7,8 +7,9 @@
 #   make test-gpu - on a CUDA machine (TORCH=torch): the GPU-marked tests (each Triton kernel against its
 #                 torch form, graphs, splits) and the kernels' resource check for this and other GPUs
 #   make test-kernels - no GPU needed (CI runs it): the Triton kernels against their torch forms through
-#                 Triton's CPU interpreter, and their shared memory on an RTX A6000 compiled ahead of time;
-#                 installs triton 3.6.0 into .triton (beside the CPU torch, which has none)
+#                 Triton's CPU interpreter, their shared memory on an RTX A6000 compiled ahead of time, and
+#                 that each waits for its inputs first (PDL, test_pdl.py); installs triton 3.6.0 into .triton
+#                 (beside the CPU torch, which has none)
 #   make lint   - ruff: pyflakes, import order, line length (CI runs it before the tests)
 # TORCH picks the torch requirement: the default is the CPU build; on a CUDA machine use TORCH=torch.
 # README.md gives each target's time on a 2-core machine.
@@ -77,7 +78,7 @@ $(KERNELS)/.installed: $(VENV)/.installed
 
 test-kernels: $(KERNELS)/.installed
 	PYTHONPATH=$(KERNELS) TRITON_INTERPRET=1 $(PY) -m pytest -q tests/workers/models/test_interpreted_kernels.py
-	PYTHONPATH=$(KERNELS) $(PY) -m pytest -q tests/workers/models/test_kernel_resources.py
+	PYTHONPATH=$(KERNELS) $(PY) -m pytest -q tests/workers/models/test_kernel_resources.py tests/workers/models/test_pdl.py
 
 lint: install
 	$(PY) -m ruff check workers orchestrator tools tests benchmarks

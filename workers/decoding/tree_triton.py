@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from workers.models.attention_triton import multiprocessors
+from workers.models.pdl_triton import launch_options, wait_for_inputs
 
 BLOCK = 64  # candidates (or entries) per program, and per step of the count
 # The kernels' sizes and offsets change with the tree knobs and the depth: they are left unspecialised
@@ -55,11 +56,12 @@ def _beaten_by(score, e, other_score, other, in_range):
 
 @triton.jit(do_not_specialize=["count", "parent_offset", "depth", "top_k", "share"])
 def _tree_count_kernel(TOP_VALS, PARENT, RANK, SCORE, PLACE, count, parent_offset, depth, top_k, share,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (block of a depth's candidates, share of the others): adds to PLACE [count] (zeroed
     before) how many of others share*s .. share*(s+1)-1 beat each candidate. Each program recomputes
     the scores it compares against (a gather and an add) rather than reading them from a launch
     before."""
+    wait_for_inputs(PDL)
     c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = c < count
     top_row = (depth - 1) * top_k
@@ -77,11 +79,12 @@ def _tree_count_kernel(TOP_VALS, PARENT, RANK, SCORE, PLACE, count, parent_offse
 
 @triton.jit(do_not_specialize=["count", "keep", "parent_offset", "offset", "depth", "top_k"])
 def _tree_depth_kernel(TOP_VALS, TOP_IDS, PARENT, RANK, SCORE, PLACE, PARENT_ENTRY, TOKEN, DEPTH,
-                       count, keep, parent_offset, offset, depth, top_k, BLOCK: tl.constexpr):
+                       count, keep, parent_offset, offset, depth, top_k, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Depth ``depth`` (1..D): its ``count`` candidates (PARENT / RANK [count]), children of the
     previous depth's entries from ``parent_offset`` on (-1: the root), whose places in the depth's
     best-first order ``_tree_count_kernel`` counted into PLACE; its ``keep`` best written as entries
     offset..offset+keep-1 of SCORE / PARENT_ENTRY / TOKEN / DEPTH."""
+    wait_for_inputs(PDL)
     c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = c < count
     top_row = (depth - 1) * top_k
@@ -96,9 +99,10 @@ def _tree_depth_kernel(TOP_VALS, TOP_IDS, PARENT, RANK, SCORE, PLACE, PARENT_ENT
 
 
 @triton.jit(do_not_specialize=["count", "nodes"])
-def _tree_merge_kernel(SCORE, ORDER, NODE_OF, count, nodes, BLOCK: tl.constexpr):
+def _tree_merge_kernel(SCORE, ORDER, NODE_OF, count, nodes, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Entries [count] in depth order -> ORDER [nodes] (node i+1 = entry ORDER[i]) and NODE_OF [count]
     (entry -> its node index, for the kept entries)."""
+    wait_for_inputs(PDL)
     e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = e < count
     score = tl.load(SCORE + e, mask=valid, other=0.0)
@@ -114,10 +118,11 @@ def _tree_merge_kernel(SCORE, ORDER, NODE_OF, count, nodes, BLOCK: tl.constexpr)
 
 @triton.jit(do_not_specialize=["nodes", "max_depth"])
 def _tree_finish_kernel(ORDER, NODE_OF, SCORE, PARENT_ENTRY, TOKEN, DEPTH, TOKENS, DEPTHS, LOG_PROBS, PARENTS,
-                        VISIBLE, nodes, max_depth, ROWS: tl.constexpr, COLS: tl.constexpr):
+                        VISIBLE, nodes, max_depth, ROWS: tl.constexpr, COLS: tl.constexpr, PDL: tl.constexpr):
     """Program (block of rows 0..nodes of the ancestor matrix, block of its columns): VISIBLE
     [nodes+1, nodes+1] (uint8), row r = node r, its ancestors and the root; each row walks its entry's
     parents (at most max_depth). The column-block-0 programs also write the nodes' fields."""
+    wait_for_inputs(PDL)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     is_node = (r >= 1) & (r <= nodes)
@@ -168,14 +173,15 @@ def best_prefixes(top_vals: torch.Tensor, top_ids: torch.Tensor, budget: int,
         share = BLOCK * triton.cdiv(blocks, _shares(blocks, device))
         _tree_count_kernel[(blocks, triton.cdiv(count, share))](
             top_vals, parent, rank, score, place, count, parent_offset, depth, top_vals.shape[1], share,
-            BLOCK=BLOCK, num_warps=4)
+            BLOCK=BLOCK, num_warps=4, **launch_options(device))
         _tree_depth_kernel[(blocks,)](
             top_vals, top_ids, parent, rank, score, place, parent_entry, token, depth_of, count, keep, parent_offset,
-            offset, depth, top_vals.shape[1], BLOCK=BLOCK, num_warps=4)
+            offset, depth, top_vals.shape[1], BLOCK=BLOCK, num_warps=4, **launch_options(device))
         parent_offset, offset, first = offset, offset + keep, first + count
     order = torch.empty(nodes, dtype=torch.long, device=device)
     node_of = torch.empty(entries, dtype=torch.long, device=device)
-    _tree_merge_kernel[(triton.cdiv(entries, BLOCK),)](score, order, node_of, entries, nodes, BLOCK=BLOCK, num_warps=4)
+    _tree_merge_kernel[(triton.cdiv(entries, BLOCK),)](score, order, node_of, entries, nodes, BLOCK=BLOCK, num_warps=4,
+                                                       **launch_options(device))
     tokens, depths = (torch.empty(nodes, dtype=torch.long, device=device) for _ in range(2))
     log_probs = torch.empty(nodes, dtype=torch.float64, device=device)
     parents = torch.empty(nodes + 1, dtype=torch.long, device=device)
@@ -183,5 +189,5 @@ def best_prefixes(top_vals: torch.Tensor, top_ids: torch.Tensor, budget: int,
     rows, cols = 16, 128
     _tree_finish_kernel[(triton.cdiv(nodes + 1, rows), triton.cdiv(nodes + 1, cols))](
         order, node_of, score, parent_entry, token, depth_of, tokens, depths, log_probs, parents, visible, nodes,
-        len(pairs), ROWS=rows, COLS=cols, num_warps=4)
+        len(pairs), ROWS=rows, COLS=cols, num_warps=4, **launch_options(device))
     return tokens, depths, parents, visible.view(torch.bool), log_probs

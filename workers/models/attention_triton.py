@@ -33,6 +33,7 @@ from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from workers.models.kernels import MAX_KEY_SPLITS, row_block
+from workers.models.pdl_triton import launch_options, wait_for_inputs
 
 # (most query rows per program, keys per step, warps, pipeline stages) for head sizes up to 128 and
 # for 256, tried in this order on each device, head size and pass width until one compiles within the
@@ -87,7 +88,7 @@ def _tile(blocks, descriptor, head, start, BN: tl.constexpr, D: tl.constexpr, BY
 def _attention_kernel(Q, K, V, K_DESC, V_DESC, MASK, SLOTS, ENDS, OUT, PARTIAL, STATS, rows, last, k_head_stride,
                       k_row_stride, mask_stride, scale, nodes, out_head, out_group, out_node, D: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, TMA: tl.constexpr,
-                      BOUNDED: tl.constexpr):
+                      BOUNDED: tl.constexpr, PDL: tl.constexpr):
     """Program (row block, K/V head, split). Q [Hkv, R, D]; K / V rows at head * k_head_stride +
     key * k_row_stride; MASK [R, C] additive, read only from the pass's first slot SLOTS[0] on (the
     committed past before it is visible to every row); keys past SLOTS[last] are not read. Row
@@ -97,6 +98,7 @@ def _attention_kernel(Q, K, V, K_DESC, V_DESC, MASK, SLOTS, ENDS, OUT, PARTIAL, 
     last part-tile of the keys by block pointers. BOUNDED: ENDS [nodes] holds one past the last key nodes
     0..t see (a running maximum), and the program reads keys only up to its last node's (before the
     split)."""
+    wait_for_inputs(PDL)
     block = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -158,12 +160,13 @@ def _attention_kernel(Q, K, V, K_DESC, V_DESC, MASK, SLOTS, ENDS, OUT, PARTIAL, 
 
 @triton.jit
 def _merge_kernel(PARTIAL, STATS, OUT, count, rows, nodes, out_head, out_group, out_node, D: tl.constexpr,
-                  SPLITS: tl.constexpr, BR: tl.constexpr):
+                  SPLITS: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr):
     """Program (block of BR of the count = Hkv x R folded rows): OUT = the splits' PARTIAL sums, each
     weighted by exp(its max - the largest max), over the same weighting of their STATS sums, stored
     as ``_attention_kernel`` stores. The splits' loops are unrolled, so their loads are in flight
     together: a decode step's merge is a few rows, where one dependent load after another would be
     its whole cost."""
+    wait_for_inputs(PDL)
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     d = tl.arange(0, D)
     in_rows = r < count
@@ -341,7 +344,7 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
                 query, key, value, *(descriptors or (key, value)), mask, slots, slots if ends is None else ends,
                 out, partial, stats, rows, slots.shape[0] - 1, key.stride(0), key.stride(1), mask.stride(0), scale,
                 *layout, D=dim, BM=block_rows, BN=keys, SPLITS=key_splits, TMA=descriptors is not None,
-                BOUNDED=ends is not None, num_warps=warps, num_stages=stages,
+                BOUNDED=ends is not None, num_warps=warps, num_stages=stages, **launch_options(out.device),
             )
         except OutOfResources:  # raised when compiling, before any launch: the next tiles
             continue
@@ -355,5 +358,6 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
         merge_rows = max(MERGE_MIN_ROWS, min(MERGE_ELEMENTS // dim,
                                              triton.next_power_of_2(triton.cdiv(count, multiprocessors(query.device)))))
         _merge_kernel[(triton.cdiv(count, merge_rows),)](partial, stats, out, count, rows, *layout, D=dim,
-                                                         SPLITS=key_splits, BR=merge_rows, num_warps=4)
+                                                         SPLITS=key_splits, BR=merge_rows, num_warps=4,
+                                                         **launch_options(out.device))
     return out

@@ -18,12 +18,16 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.models.pdl_triton import launch_options, wait_for_inputs
+
 # the norms a kernel applies (constexpr switches)
 NO_NORM, PLAIN_NORM, ONE_PLUS_NORM = 0, 1, 2
 
 
 @triton.jit
-def _rms_norm_kernel(X, W, OUT, stride_a, stride_b, inner, n, eps, ONE_PLUS: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(X, W, OUT, stride_a, stride_b, inner, n, eps, ONE_PLUS: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)  # row = a * inner + b of the [outer, inner, n] input
     a = row // inner
     b = row % inner
@@ -57,7 +61,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, one_plus: bool)
     rows = view.shape[0] * view.shape[1]
     block = triton.next_power_of_2(n)
     _rms_norm_kernel[(rows,)](view, weight, out, view.stride(0), view.stride(1), view.shape[1], n, eps,
-                              ONE_PLUS=one_plus, BLOCK=block, num_warps=min(16, max(1, block // 512)))
+                              ONE_PLUS=one_plus, BLOCK=block, num_warps=min(16, max(1, block // 512)),
+                              **launch_options(x.device))
     return out
 
 
@@ -66,10 +71,11 @@ def _heads_kernel(
     HEADS, QW, KW, COS, SIN, SLOTS, FOLDED, KV,
     stride_token, stride_cos, stride_kv, stride_head, stride_slot, nodes, eps,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr,
-    HB: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+    HB: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (node t, block of HB heads j: 0..HQ-1 query heads, then HKV key heads, then HKV value
     heads), each head a row of the [HB, BLOCK] tile."""
+    wait_for_inputs(PDL)
     t = tl.program_id(0)
     j = tl.program_id(1) * HB + tl.arange(0, HB)
     in_heads = j < HQ + 2 * HKV
@@ -141,13 +147,14 @@ def norm_rotate_heads(heads: torch.Tensor, q_weight: torch.Tensor | None, k_weig
         heads, q_weight, k_weight, cos, sin_signed, slots, folded, kv,
         heads.stride(0), cos.stride(0), kv.stride(0), kv.stride(2), kv.stride(3), q, eps,
         HQ=query_heads, HKV=kv_heads, D=d, R=rotary, BLOCK=block, HB=HEADS_PER_PROGRAM,
-        GATED=gated, NORM=norm, num_warps=4 if block <= 128 else 8,
+        GATED=gated, NORM=norm, num_warps=4 if block <= 128 else 8, **launch_options(heads.device),
     )
     return folded
 
 
 @triton.jit
-def _silu_mul_kernel(GATE_UP, OUT, inner, BLOCK: tl.constexpr):
+def _silu_mul_kernel(GATE_UP, OUT, inner, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     valid = cols < inner
@@ -164,13 +171,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     q, inner = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(q, inner, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(q, triton.cdiv(inner, block))](gate_up, out, inner, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(q, triton.cdiv(inner, block))](gate_up, out, inner, BLOCK=block, num_warps=4,
+                                                     **launch_options(out.device))
     return out
 
 
 @triton.jit
 def _output_gate_kernel(OUT, HEADS, GATED, stride_token, HQ: tl.constexpr, D: tl.constexpr,
-                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     t = tl.program_id(0)  # node: all its query heads
     h = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_D)
@@ -193,5 +202,5 @@ def output_gate(out: torch.Tensor, heads: torch.Tensor, query_heads: int) -> tor
     gated = torch.empty(q, query_heads * d, dtype=out.dtype, device=out.device)
     _output_gate_kernel[(q,)](out, heads, gated, heads.stride(0), HQ=query_heads, D=d,
                               BLOCK_H=triton.next_power_of_2(query_heads), BLOCK_D=triton.next_power_of_2(d),
-                              num_warps=4)
+                              num_warps=4, **launch_options(out.device))
     return gated

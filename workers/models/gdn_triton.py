@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.models.pdl_triton import launch_options, wait_for_inputs
 from workers.models.tree_blocks import TREE_BLOCK, tree_blocks
 
 TREE_WARPS = 4
@@ -39,6 +40,7 @@ def _tree_block_kernel(
     KQ, V, STATE, LOG_GATE, BETA, SLOTS, MASK, OUT, Z, NORM_W, nodes, z_stride, eps,
     HEADS: tl.constexpr, REPEAT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CONTEXT: tl.constexpr,
     BLOCK: tl.constexpr, BK: tl.constexpr, FACTORS: tl.constexpr, PRECISION: tl.constexpr, NORMED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (block b, value head h). KQ [Hk, 2, q, DK] (k_, then q_; value head h reads key head
     h // REPEAT), V [H, q, DV], STATE [H, DK, DV] the committed state S0, LOG_GATE / BETA [q, H],
@@ -46,6 +48,7 @@ def _tree_block_kernel(
     ancestor-or-self, from ``tree_blocks``. OUT [q, H, DV] float32; or, NORMED, [q, H*DV] in OUT's
     dtype after the gated norm of each row (``_gated_norm``'s, with Z [q, H*DV] (rows z_stride apart)
     and NORM_W [DV])."""
+    wait_for_inputs(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     S: tl.constexpr = CONTEXT + BLOCK
@@ -144,7 +147,7 @@ def tree_outputs(
         HEADS=heads, REPEAT=heads // key_heads, DK=dk, DV=dv, CONTEXT=slots.shape[1] - TREE_BLOCK,
         BLOCK=TREE_BLOCK, BK=min(dk, PRODUCT_STEP),
         FACTORS=max(1, (ancestors.shape[1] - 1).bit_length()), PRECISION=precision, NORMED=norm is not None,
-        num_warps=num_warps or TREE_WARPS,
+        num_warps=num_warps or TREE_WARPS, **launch_options(out.device),
     )
     return out
 
@@ -164,11 +167,13 @@ def _prologue_kernel(
     nodes, channels, inp_stride, b_stride, a_stride,
     KEY_HEADS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, TAPS: tl.constexpr, NODES: tl.constexpr,
     WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, HAS_EXT: tl.constexpr, HAS_GATES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (NODES nodes t, head segment s): the conv over each node's ancestry + SiLU of one head's
     channels, then (q, k heads) the l2 norm, stored once per key head; (v heads) the gates of value
     head s - 2 Hk. Rows of the extended input below TAPS - 1 are the window's, the rest the node
     inputs' (WINDOW = TAPS - 1)."""
+    wait_for_inputs(PDL)
     block = tl.program_id(0)
     s = tl.program_id(1)
     t = block * NODES + tl.arange(0, NODES)  # [NODES]
@@ -247,7 +252,7 @@ def prologue(
         nodes, channels, inputs.stride(0), b.stride(0), a.stride(0),
         KEY_HEADS=key_heads, HEADS=heads, D=head_dim, TAPS=taps, NODES=PROLOGUE_NODES, WINDOW=taps - 1,
         HAS_BIAS=bias is not None, SCALE=head_dim**-0.5, HAS_EXT=extended is not None, HAS_GATES=gates is not None,
-        num_warps=1,
+        num_warps=1, **launch_options(kq.device),
     )
     return PrologueOutputs(kq, v, beta, log_gate)
 
@@ -264,8 +269,9 @@ def _gated_norm(x, z, weight, eps, dtype: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _gated_norm_kernel(O, Z, W, OUT, heads, z_stride, eps, D: tl.constexpr, BH: tl.constexpr):
+def _gated_norm_kernel(O, Z, W, OUT, heads, z_stride, eps, D: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr):
     """Program (node t, block of BH heads): ``_gated_norm`` of those heads' output rows."""
+    wait_for_inputs(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1) * BH + tl.arange(0, BH)[:, None]  # [BH, 1]
     d = tl.arange(0, D)[None, :]
@@ -284,16 +290,19 @@ def gated_norm(out: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: fl
     result = torch.empty(nodes, heads * head_dim, dtype=dtype, device=out.device)
     block = min(NORM_HEADS, triton.next_power_of_2(heads))
     _gated_norm_kernel[(nodes, triton.cdiv(heads, block))](out, z, weight, result, heads, z.stride(0), eps,
-                                                            D=head_dim, BH=block, num_warps=4)
+                                                            D=head_dim, BH=block, num_warps=4,
+                                                            **launch_options(out.device))
     return result
 
 
 @triton.jit
 def _chain_state_kernel(K, Q, V, G, BETA, S, OUT, k_stride, count: tl.constexpr, HEADS: tl.constexpr,
-                        REPEAT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+                        REPEAT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                        PDL: tl.constexpr):
     """Program (value head h, block of value columns): the recurrent delta rule over ``count`` tokens with
     the state block [DK, BV] in registers, read once and written back in place, and each token's output
     q_t S_t. (``count`` is a compile-time constant, one variant per length.)"""
+    wait_for_inputs(PDL)
     h = tl.program_id(0)
     cols = tl.program_id(1) * BV + tl.arange(0, BV)
     d = tl.arange(0, DK)
@@ -325,7 +334,7 @@ def advance_state(k_: torch.Tensor, q_: torch.Tensor, v_: torch.Tensor, log_gate
     out = torch.empty(count, heads, dv, dtype=torch.float32, device=v_.device)
     _chain_state_kernel[(heads, dv // block)](
         k_, q_, v_.contiguous(), log_gate.float().contiguous(), beta.contiguous(), state, out, k_.stride(0), count,
-        HEADS=heads, REPEAT=heads // key_heads, DK=dk, DV=dv, BV=block, num_warps=4,
+        HEADS=heads, REPEAT=heads // key_heads, DK=dk, DV=dv, BV=block, num_warps=4, **launch_options(out.device),
     )
     return out
 
@@ -333,12 +342,14 @@ def advance_state(k_: torch.Tensor, q_: torch.Tensor, v_: torch.Tensor, log_gate
 @triton.jit
 def _commit_kernel(EXT, PATH, W, BIAS, G, BETA, S, WIN, channels, count: tl.constexpr,
                    KEY_HEADS: tl.constexpr, HEADS: tl.constexpr, REPEAT: tl.constexpr, D: tl.constexpr,
-                   BV: tl.constexpr, TAPS: tl.constexpr, WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr):
+                   BV: tl.constexpr, TAPS: tl.constexpr, WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   PDL: tl.constexpr):
     """Program (value head h, block of value columns): a commit of the path PATH[:count] (root ... node)
     for one layer. Per path token: the conv over the path (then the committed window) of its key head's
     and value columns' channels, SiLU, the key's l2 norm (the prologue's arithmetic), then the delta rule
     with the state block in registers; finally this program's channels of the new conv window.
     EXT [WINDOW + q, channels]: the pass's window then node inputs; G / BETA [q, H] per node."""
+    wait_for_inputs(PDL)
     h = tl.program_id(0)
     cols = tl.program_id(1) * BV + tl.arange(0, BV)
     d = tl.arange(0, D)
@@ -396,7 +407,7 @@ def commit_path(extended: torch.Tensor, path: torch.Tensor, weight: torch.Tensor
         extended, path, weight.contiguous(), bias if bias is not None else weight, log_gate, beta, state, window,
         extended.shape[1], count,
         KEY_HEADS=key_heads, HEADS=heads, REPEAT=heads // key_heads, D=dk, BV=block, TAPS=taps, WINDOW=taps - 1,
-        HAS_BIAS=bias is not None, num_warps=4,
+        HAS_BIAS=bias is not None, num_warps=4, **launch_options(state.device),
     )
 
 

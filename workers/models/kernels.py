@@ -3,6 +3,7 @@ both sides must agree on (the memory plan reads them without importing Triton)."
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 # ``attention_triton``: the most query rows per program, and the most splits of the keys (which it
@@ -30,3 +31,24 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+_dependent_launches = False
+
+
+@contextlib.contextmanager
+def dependent_launches(on: bool = True):
+    """Inside (``on``): the Triton kernels launch with programmatic dependent launch, where the GPU has
+    it (``pdl_triton``). The target's one-row pass (AR's step) captures its graph inside: its products
+    are the project's own kernels, each launched early behind the one before; wider passes, where PDL
+    measured slower, are captured outside (``benchmarks/pdl_ab.py``, docs/gpu.md)."""
+    global _dependent_launches
+    before, _dependent_launches = _dependent_launches, on
+    try:
+        yield
+    finally:
+        _dependent_launches = before
+
+
+def dependent_launches_on() -> bool:
+    return _dependent_launches

@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from workers.models.pdl_triton import launch_options, wait_for_inputs
+
 MOST_ROWS = 16
 # (rows of the weight per program, K per step, warps, pipeline stages) per class of product, tried in
 # this order on each device until one compiles within its shared memory. The first are the fastest
@@ -95,7 +97,7 @@ def tile_class(rows: int, inner: int, width: int = 0, add: bool = False) -> str:
 @triton.jit
 def _skinny_kernel(X, W, OUT, NORM_W, WORK, ARRIVED, N, stride_x, stride_out, eps, K: tl.constexpr,
                    M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr,
-                   SPLITS: tl.constexpr):
+                   SPLITS: tl.constexpr, PDL: tl.constexpr):
     """Program (tile, split): output columns n = tile * BN.. of OUT [M, N] from W's rows n [., K]
     (contiguous rows) and X's M rows over the split's K / SPLITS columns (a multiple of BK); ADD: added
     to what OUT holds. NORM (one row): X's RMS norm with weight NORM_W (1: w, 2: 1 + w) taken first,
@@ -104,6 +106,7 @@ def _skinny_kernel(X, W, OUT, NORM_W, WORK, ARRIVED, N, stride_x, stride_out, ep
     ([SPLITS, N] for one row, else [SPLITS, 16, N]) and counts itself in ARRIVED[tile]; the last to
     arrive adds the splits in their order (the result does not depend on which was last) into OUT and
     sets the count back to 0."""
+    wait_for_inputs(PDL)
     tile = tl.program_id(0)
     split = tl.program_id(1)
     n = tile * BN + tl.arange(0, BN)
@@ -206,7 +209,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
             _skinny_kernel[(tile_count, count)](
                 x, weight, out, norm_weight, work, arrived if arrived is not None else out, width, x.stride(0),
                 out.stride(0), eps, K=inner, M=rows, BN=block_n, BK=block_k, ADD=add, NORM=norm_kind,
-                SPLITS=count, num_warps=warps, num_stages=stages,
+                SPLITS=count, num_warps=warps, num_stages=stages, **launch_options(x.device),
             )
         except OutOfResources:  # raised when compiling, before any launch (``out`` untouched): the next tiles
             if index + 1 < len(choices):

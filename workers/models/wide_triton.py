@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from workers.models.pdl_triton import launch_options, wait_for_inputs
 from workers.models.skinny_triton import arrival_counts
 
 FEWEST_ROWS, MOST_ROWS = 256, 272  # a 256-node tree with or without its root (B = 255 or 256), up to a tail
@@ -45,7 +46,7 @@ FASTER_ON: frozenset[tuple[int, int]] = frozenset()
 @triton.jit
 def _wide_kernel(x_desc, tail_desc, w_desc, OUT, WORK, ARRIVED, M, N, K, splits, stride_out,
                  BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, TAIL: tl.constexpr, ADD: tl.constexpr,
-                 SPLIT: tl.constexpr):
+                 SPLIT: tl.constexpr, PDL: tl.constexpr):
     """Program (tile, block, split): OUT [M, N]'s columns n = tile * BN.. and rows m = block * BM..
     (plus the TAIL rows after them when TAIL > 0: the last block) from the weight's rows n (w_desc:
     [N, K] in [BN, BK] blocks) and x's rows m (x_desc: [M, K] in [BM, BK] blocks; tail_desc in [TAIL,
@@ -53,6 +54,7 @@ def _wide_kernel(x_desc, tail_desc, w_desc, OUT, WORK, ARRIVED, M, N, K, splits,
     come by TMA (rows past M read as zeros). SPLIT: the sums go through WORK [splits, M, N] float32 and
     the per-tile count ARRIVED[block * tiles + tile]; the last split to arrive adds them in order into
     OUT and sets the count back to 0."""
+    wait_for_inputs(PDL)
     tile = tl.program_id(0)
     block = tl.program_id(1)
     split = tl.program_id(2)
@@ -193,5 +195,6 @@ def wide_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
         x_blocks, tail_blocks, TensorDescriptor.from_tensor(weight, [block_n, block_k]), out, work,
         arrived if arrived is not None else out, rows, width, inner, count, out.stride(0), BN=block_n, BM=block_m,
         BK=block_k, TAIL=tail, ADD=add, SPLIT=count > 1, num_warps=warps, num_stages=stages,
+        **launch_options(x.device),
     )
     return out

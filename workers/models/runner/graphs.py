@@ -28,6 +28,7 @@ import torch
 
 from workers.models.attention import grouped_attention_in
 from workers.models.graph_cache import GraphCache, capture
+from workers.models.kernels import dependent_launches
 from workers.models.runner.limits import MAX_VERIFY_GRAPHS
 from workers.models.runner.loop import Loop, chain_shape
 from workers.seam import VerifyOutput
@@ -165,7 +166,8 @@ class AdvanceGraphs:
         self.shapes[q] = chain_shape(q, self.loop.device)
         static = (state.advance_ids[:q], state.advance_depths[:q], *self.shapes[q])
         try:  # with several segments: one graph per segment, as for a split target's verify pass
-            return capture_pass(self.loop, static, chain=True, last_only=True, commit=True)
+            with dependent_launches(q == 1):  # AR's step: its kernels launched early (kernels.dependent_launches)
+                return capture_pass(self.loop, static, chain=True, last_only=True, commit=True)
         finally:
             for tensor, copy in zip(live, saved):
                 tensor.copy_(copy)
