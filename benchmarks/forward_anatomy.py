@@ -98,6 +98,33 @@ def kernel_breakdown(fn, label: str, lines: list[str], top: int = 8) -> None:
         lines.append(f"   {kind:<18} {ms:7.2f} ms  {count:5d} kernels")
     for ms, count, name in sorted(rows, reverse=True)[:top]:
         lines.append(f"   {ms:7.3f} ms {count:5d}x  {name[:90]}")
+    gap_lines(prof, lines, top)
+
+
+def gap_lines(prof, lines: list[str], top: int) -> None:
+    """The idle time between the profiled kernels, in the order the GPU ran them: the span from the
+    first kernel's start to the last one's end, the sum of the gaps between consecutive kernels, and
+    the kernel pairs (before -> after) with the most gap in all."""
+    kernels = sorted(((event.time_range.start, event.time_range.end, event.key) for event in prof.events()
+                      if event.device_type.name == "CUDA" and event.time_range.end > event.time_range.start))
+    if len(kernels) < 2:
+        return
+    by_pair: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    for (_, end, before), (start, _, after) in zip(kernels, kernels[1:]):
+        pair = by_pair[(before[:40], after[:40])]
+        pair[0] += max(0.0, start - end) / 1e3
+        pair[1] += 1
+    idle = sum(ms for ms, _ in by_pair.values())
+    span = (kernels[-1][1] - kernels[0][0]) / 1e3
+    lines.append(f"   span {span:.2f} ms, {idle:.2f} ms of it between kernels ({len(kernels)} kernels); "
+                 f"the pairs with the most:")
+    for (before, after), (ms, count) in sorted(by_pair.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"   {ms:7.3f} ms {count:5d}x {1e3 * ms / count:5.1f} us  {before} -> {after}")
+    lines.append("   the longest gaps, by their place in the sequence:")
+    gaps = [(start - end, i) for i, ((_, end, _), (start, _, _)) in enumerate(zip(kernels, kernels[1:]), 1)]
+    for gap, i in sorted(gaps, reverse=True)[: max(1, top // 2)]:
+        lines.append(f"   {gap:7.1f} us before kernel {i} of {len(kernels)}: {kernels[i - 1][2][:60]} -> "
+                     f"{kernels[i][2][:60]}")
 
 
 def matmul_table(config, lines: list[str], layers: int) -> None:

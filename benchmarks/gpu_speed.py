@@ -34,7 +34,8 @@ from workers.decoding.drafting import EagerDrafting, GraphDrafting, open_draftin
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import DFlashParams, TreeParams
 from workers.decoding.tree import build_tree, follow_tree
-from workers.models import lt_product
+from workers.models import lt_product, pdl_triton
+from workers.models.kernels import dependent_launches
 from workers.models.runner.target import StaticTarget
 from workers.models.shapes import build_random_drafter, build_random_target
 from workers.seam import is_hybrid
@@ -165,10 +166,13 @@ def measure(args: argparse.Namespace) -> int:
     def compute_floor_ms(q: int) -> float:
         return measured["floor C per row"] * q
 
+    with dependent_launches():
+        ar_pdl = pdl_triton.launch_options(device)
     lines.append(f"{args.shape}: {weight_bytes / 1e9:.1f} GB bf16 weights, {matmul_params / 1e9:.1f}e9 matmul params; "
                  f"copy bandwidth {bandwidth / 1e12:.2f} TB/s -> weight floor {floor_ms:.2f} ms per forward; "
                  f"bf16 matmul {rate / 1e12:.0f} TFLOP/s -> compute floor {compute_floor_ms(1):.3f} ms x q; "
-                 f"context {args.context}")
+                 f"context {args.context}; AR's step with PDL: {bool(ar_pdl['PDL'])} "
+                 f"({pdl_triton.SWITCH}=0 turns it off)")
     prompt = torch.randint(1, vocab - 1, (1, args.context), device=device)
     taps = drafter.spec.target_layer_ids
 
