@@ -1,5 +1,6 @@
-"""The project's Triton kernels as the torch code sees them: whether they can run here, and the sizes
-both sides must agree on (the memory plan reads them without importing Triton)."""
+"""The project's Triton kernels as the torch code sees them: whether they can run here, the sizes both
+sides must agree on (the memory plan reads them without importing Triton), and where they launch with
+programmatic dependent launch (``dependent_launches``)."""
 
 from __future__ import annotations
 
