@@ -92,10 +92,10 @@ def test_the_compiled_kernel_waits_and_releases():
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a CUDA device of compute capability 9 or more")
 def test_a_graph_of_dependent_kernels_launched_early_gives_the_eager_bits():
-    """Each norm reads the rows the one before is still writing when it launches early; a missing or
-    late wait reads the uninitialised output instead."""
-    torch.manual_seed(0)
-    x = torch.randn(512, 5120, device="cuda", dtype=torch.bfloat16)
+    """Each norm reads the rows the kernel before it is still writing when it launches early. The input
+    changes before every replay, so a missing or late wait would read the last replay's rows (or the
+    pool's leftovers), not this one's."""
+    x = torch.empty(512, 5120, device="cuda", dtype=torch.bfloat16)
     weights = [torch.randn(5120, device="cuda", dtype=torch.bfloat16) * 0.3 for _ in range(40)]
 
     def chain():
@@ -106,15 +106,18 @@ def test_a_graph_of_dependent_kernels_launched_early_gives_the_eager_bits():
             out = fused_hybrid_triton.silu_mul(torch.cat((out, out), dim=1))
         return out
 
-    eager = chain()  # without PDL
+    torch.manual_seed(0)
+    x.normal_()
     with dependent_launches():
         assert pdl_triton.launch_options(x.device)["PDL"]
         chain()  # compiled before the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             replayed = chain()
-    for _ in range(3):
-        replayed.zero_()
+    for seed in range(1, 4):
+        torch.manual_seed(seed)
+        x.normal_()
+        eager = chain()  # outside dependent_launches: without PDL
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replayed, eager)
