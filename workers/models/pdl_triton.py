@@ -57,5 +57,5 @@ def wait_for_inputs(PDL: tl.constexpr):
     next one launch."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-    if PDL == 2:
+    if PDL == 2:  # WAIT_AND_RELEASE (a module global is not a constexpr inside a kernel)
         tl.extra.cuda.gdc_launch_dependents()
