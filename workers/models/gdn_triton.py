@@ -12,9 +12,9 @@ in blocks, one program per (block, value head): a block is 16 nodes consecutive 
 plus the ancestors of its first node (``tree_blocks.tree_blocks``), which hold every path its nodes
 need. On those 32 slots the program forms the keys' Gram matrix, the path sums of the log decay, L
 (the paths' systems: each slot's row on its strict ancestors) and the nodes' query weights e, then
-w = e (I + L)^-1 by the nilpotent product (I - L)(I + L^2)(I + L^4)(I + L^8), the slots' k_ S0 and
-the nodes' q_ S0 against the committed state, and the outputs exp(G) q_ S0 + w r: all tensor-core
-products of 32-wide tiles, nothing written but the outputs. The torch form in
+w = e (I + L)^-1 by the nilpotent product (I - L)(I + L^2)(I + L^4)(I + L^8), and the outputs
+exp(G) q_ S0 + w r regrouped so that only the nodes' rows meet the committed state S0: all
+tensor-core products of 32-wide tiles, nothing written but the outputs. The torch form in
 ``gdn`` is the reference it is tested against (``tests/workers/models/test_gdn_triton.py``).
 """
 
@@ -31,7 +31,8 @@ from workers.models.tree_blocks import TREE_BLOCK, tree_blocks
 
 TREE_WARPS = 4
 PRODUCT_STEP = 32  # the tree kernel's step along dk in its products with the committed state
-PROLOGUE_NODES = 4  # nodes per program of the conv prologue (one warp)
+PROLOGUE_NODES = 4  # nodes per program of the conv prologue
+PROLOGUE_WARPS = 1
 NORM_HEADS = 16  # heads per program of the gated norm
 
 
@@ -86,21 +87,23 @@ def _tree_block_kernel(
     for _ in tl.static_range(FACTORS - 1):
         power = tl.dot(power, power, input_precision=PRECISION)
         w = w + tl.dot(w, power, input_precision=PRECISION)
-    # the slots' k_ S0 and the nodes' q_ S0, over DK in steps of BK: a whole [DK, DV] float32 state
-    # tile would not fit an RTX A6000's shared memory (99 KB a block) beside the other operands
-    k_S0 = tl.zeros((S, DV), dtype=tl.float32)
-    q_S0 = tl.zeros((BLOCK, DV), dtype=tl.float32)
+    # out_t = exp(G_t) q_t S0 + sum_n w[t, n] r_n with r_n = beta_n (v_n - exp(G_n) k_n S0) regroups as
+    # (exp(G_t) q_t - sum_n c[t, n] k_n) S0 + sum_n a[t, n] v_n, a = w beta, c = a exp(G): one product
+    # with the state per node instead of one per slot and per node, and no [S, DV] slot rows held
+    a = w * beta[None, :]  # [BLOCK, S]
+    c = a * tl.exp(G)[None, :]
+    values = tl.load(V + (h * nodes + row[:, None]) * DV + cols[None, :], mask=valid[:, None], other=0.0)
+    out = tl.dot(a, values, input_precision=PRECISION)  # [BLOCK, DV]
+    node_decay = tl.exp(G_node)[:, None]
+    # over DK in steps of BK: a whole [DK, DV] float32 state tile would not fit an RTX A6000's shared
+    # memory (99 KB a block) beside the other operands
     for step in range(0, DK, BK):
         ds = step + tl.arange(0, BK)
         state = tl.load(STATE + h * DK * DV + ds[:, None] * DV + cols[None, :])  # [BK, DV]
         k_part = tl.load(kq + row[:, None] * DK + ds[None, :], mask=valid[:, None], other=0.0)  # [S, BK]
         q_part = tl.load(kq + (nodes + node_row[:, None]) * DK + ds[None, :], mask=is_node[:, None], other=0.0)
-        k_S0 = tl.dot(k_part, state, k_S0, input_precision=PRECISION)
-        q_S0 = tl.dot(q_part, state, q_S0, input_precision=PRECISION)
-    # r_n = beta_n (v_n - exp(G_n) k_n S0) for every slot
-    values = tl.load(V + (h * nodes + row[:, None]) * DV + cols[None, :], mask=valid[:, None], other=0.0)
-    rhs = beta[:, None] * (values - tl.exp(G)[:, None] * k_S0)
-    out = tl.exp(G_node)[:, None] * q_S0 + tl.dot(w, rhs, input_precision=PRECISION)  # [BLOCK, DV]
+        q_eff = node_decay * q_part - tl.dot(c, k_part, input_precision=PRECISION)  # [BLOCK, BK]
+        out = tl.dot(q_eff, state, out, input_precision=PRECISION)
     if NORMED:
         z = tl.load(Z + node_row[:, None] * z_stride + h * DV + cols[None, :], mask=is_node[:, None], other=0.0)
         out = _gated_norm(out, z, tl.load(NORM_W + cols)[None, :], eps, OUT.dtype.element_ty, DV)
@@ -252,7 +255,7 @@ def prologue(
         nodes, channels, inputs.stride(0), b.stride(0), a.stride(0),
         KEY_HEADS=key_heads, HEADS=heads, D=head_dim, TAPS=taps, NODES=PROLOGUE_NODES, WINDOW=taps - 1,
         HAS_BIAS=bias is not None, SCALE=head_dim**-0.5, HAS_EXT=extended is not None, HAS_GATES=gates is not None,
-        num_warps=1, **launch_options(kq.device),
+        num_warps=PROLOGUE_WARPS, **launch_options(kq.device),
     )
     return PrologueOutputs(kq, v, beta, log_gate)
 
