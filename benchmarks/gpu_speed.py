@@ -97,6 +97,12 @@ def matmul_rate() -> float:
     return 2 * 8192**3 / (ms / 1e3)
 
 
+def model_sizes(model) -> tuple[int, int]:
+    """(bytes of every weight: a forward's read, parameters in products: all but the input embedding)."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return weight_bytes, sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+
+
 def random_tree(vocab: int, nodes: int, depth: int = 15):
     log_probs = torch.log_softmax(torch.randn(depth, vocab, device="cuda") * 4, dim=-1)
     return build_tree(log_probs, TreeParams(nodes - 1, max_depth=depth))
@@ -157,8 +163,7 @@ def measure(args: argparse.Namespace) -> int:
     vocab = model.config.vocab_size
     hybrid = is_hybrid(model.config)
     measured["hybrid"] = hybrid
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    matmul_params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    weight_bytes, matmul_params = model_sizes(model)
     floor_ms = weight_bytes / bandwidth * 1e3
     measured["floor W"] = floor_ms
     measured["floor C per row"] = 2 * matmul_params / rate * 1e3
@@ -170,7 +175,8 @@ def measure(args: argparse.Namespace) -> int:
         ar_pdl = pdl_triton.launch_options(device)
     lines.append(f"{args.shape}: {weight_bytes / 1e9:.1f} GB bf16 weights, {matmul_params / 1e9:.1f}e9 matmul params; "
                  f"copy bandwidth {bandwidth / 1e12:.2f} TB/s -> weight floor {floor_ms:.2f} ms per forward; "
-                 f"bf16 matmul {rate / 1e12:.0f} TFLOP/s -> compute floor {compute_floor_ms(1):.3f} ms x q; "
+                 f"bf16 matmul {rate / 1e12:.0f} TFLOP/s in a burst (held for seconds, the power limit lowers it: "
+                 f"benchmarks/sustained.py) -> compute floor {compute_floor_ms(1):.3f} ms x q; "
                  f"context {args.context}; AR's step with PDL: {bool(ar_pdl['PDL'])} "
                  f"({pdl_triton.SWITCH}=0 turns it off)")
     prompt = torch.randint(1, vocab - 1, (1, args.context), device=device)
