@@ -30,7 +30,7 @@ from triton.compiler import ASTSource
 from workers.decoding import tree_triton
 from workers.decoding.params import TreeParams
 from workers.decoding.tree import build_tree
-from workers.models import attention_triton, fused_hybrid_triton, gdn, gdn_triton, skinny_triton
+from workers.models import attention_triton, fused_hybrid_triton, gdn, gdn_triton, skinny_triton, tree_shape_triton
 from workers.models.shapes import TARGETS
 
 # the most shared memory one block may use (opt-in), per compute capability (CUDA programming guide)
@@ -165,6 +165,9 @@ def launches(shape: dict, q: int = 257) -> list[Launch]:
                                             out=torch.empty(rows, width, dtype=bf16) if add else None, tiles=tiles,
                                             splits=2 if "split" in what else None)
             out[-1].family = family
+    with (recording(tree_shape_triton, "_tree_count_places_kernel", "tree shape: paths, places", out),
+          recording(tree_shape_triton, "_tree_block_slots_kernel", "tree shape: blocks", out)):
+        tree_shape_triton.tree_shape(parents, taps - 1, gdn.MAX_PATH)
     tree: list[Launch] = []  # DDTree's build at B = q - 1: two launches per depth, the merge, the outputs
     with (recording(tree_triton, "_tree_count_kernel", "tree build: a depth's count", tree),
           recording(tree_triton, "_tree_depth_kernel", "tree build: a depth", tree),

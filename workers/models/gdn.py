@@ -94,8 +94,14 @@ class TreeShape:
     @classmethod
     def build(cls, parents: torch.Tensor, window: int, chain: bool, commits: bool = False) -> TreeShape:
         q = parents.shape[0]
-        ancestors = None if chain and q > MAX_PATH else ancestor_table(parents)
-        shape = cls(parents, conv_lag_index(parents, window), ancestors, chain, commits)
+        if chain and q > MAX_PATH:  # the chunked form: no ancestors
+            return cls(parents, conv_lag_index(parents, window), None, chain, commits)
+        if parents.is_cuda and not commits and window > 0 and triton_available():  # the tree kernel's pass
+            from workers.models.tree_shape_triton import tree_shape
+
+            ancestors, lag_index, slots, mask = tree_shape(parents, window, MAX_PATH)  # two launches, not ~70
+            return cls(parents, lag_index, ancestors, chain, commits, slots, mask)
+        shape = cls(parents, conv_lag_index(parents, window), ancestor_table(parents), chain, commits)
         return shape.with_blocks() if parents.is_cuda else shape
 
     def with_blocks(self) -> TreeShape:

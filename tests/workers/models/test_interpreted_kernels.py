@@ -384,3 +384,25 @@ def test_the_wide_product_kernel_equals_the_matrix_product(dtype, rows, splits):
             assert not skinny_triton._ARRIVED["cpu"].any()
     with pytest.raises(ValueError, match="9 splits of 8 steps"):
         wide_linear(x, weight, tiles=tiles, splits=9)
+
+
+@pytest.mark.parametrize(("q", "depth"), [(1, 1), (2, 1), (16, 15), (17, 15), (40, 3), (257, 15), (300, 6),
+                                          (1025, 15)])
+@pytest.mark.parametrize("chain", [False, True])
+def test_the_tree_shape_kernels_equal_the_torch_forms(q, depth, chain):
+    """tree_shape (ancestors, conv rows, the tree kernel's blocks from the counted preorder) against
+    ancestor_table, conv_lag_index and tree_blocks, element for element, for trees and chains."""
+    from workers.models.gdn import MAX_PATH, ancestor_table, conv_lag_index
+    from workers.models.tree_blocks import tree_blocks
+    from workers.models.tree_shape_triton import tree_shape
+
+    if chain and q > MAX_PATH:
+        pytest.skip("a long chain takes the chunked form, without ancestors or blocks")
+    parents = torch.arange(q) - 1 if chain else random_tree_parents(q, depth, torch.Generator().manual_seed(q))
+    for window in (1, 3):
+        ancestors, lag_index, slots, mask = tree_shape(parents, window, MAX_PATH)
+        want = ancestor_table(parents)
+        assert torch.equal(ancestors, want)
+        assert torch.equal(lag_index, conv_lag_index(parents, window))
+        want_slots, want_mask = tree_blocks(want)
+        assert torch.equal(slots, want_slots) and torch.equal(mask, want_mask)

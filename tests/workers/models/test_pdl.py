@@ -26,11 +26,13 @@ from workers.models import (  # noqa: E402
     gdn_triton,
     pdl_triton,
     skinny_triton,
+    tree_shape_triton,
     wide_triton,
 )
 from workers.models.kernels import dependent_launches  # noqa: E402
 
-MODULES = (tree_triton, attention_triton, fused_hybrid_triton, gdn_triton, skinny_triton, wide_triton)
+MODULES = (tree_triton, attention_triton, fused_hybrid_triton, gdn_triton, skinny_triton, tree_shape_triton,
+           wide_triton)
 
 
 def _kernels():
