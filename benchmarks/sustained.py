@@ -41,8 +41,15 @@ def clock_and_power() -> str:
         return f"unknown ({type(exc).__name__})"
 
 
-def burst_and_sustained(fn, seconds: float) -> tuple[float, float, str]:
-    """(burst ms, sustained ms, clock and power after) of ``fn`` called back to back for ``seconds``."""
+def spread(samples: list[float]) -> str:
+    """The samples' count and quartiles (ms): what a median printed beside it rests on."""
+    low, high = statistics.quantiles(samples, n=4)[::2] if len(samples) > 1 else (samples[0], samples[0])
+    return f"{len(samples)} calls, quartiles {low:.3f}-{high:.3f}"
+
+
+def burst_and_sustained(fn, seconds: float) -> tuple[float, float, str, str]:
+    """(burst ms, sustained ms, clock and power after, both windows' spread) of ``fn`` called back to
+    back for ``seconds``."""
     torch.cuda.synchronize()
     time.sleep(IDLE_S)
     probe = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
@@ -63,10 +70,11 @@ def burst_and_sustained(fn, seconds: float) -> tuple[float, float, str]:
     total = starts[-1] + times[-1] / 1e3
     burst = [t for t, s in zip(times, starts) if s < BURST_S] or times[:1]
     last = [t for t, s in zip(times, starts) if s >= total - LAST_S] or times[-1:]
-    return statistics.median(burst), statistics.median(last), after
+    return (statistics.median(burst), statistics.median(last), after,
+            f"burst {spread(burst)}; sustained {spread(last)}")
 
 
-def hardware_runs(device: torch.device, seconds: float) -> dict[str, tuple[float, float, str]]:
+def hardware_runs(device: torch.device, seconds: float) -> dict[str, tuple[float, float, str, str]]:
     """The bf16 product's and the copy's runs (their buffers freed on return)."""
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
@@ -112,7 +120,7 @@ def main() -> int:
           f"after {IDLE_S:.0f} s idle; burst = its first {BURST_S} s, sustained = its last {LAST_S:.0f} s")
     print(f"{'':>22} {'burst ms':>9} {'sustained':>10} {'sust/burst':>10}  {'burst / floor':>14} "
           f"{'sustained / floor':>18}  clock, power after")
-    for label, (burst, sustained, after) in rows.items():
+    for label, (burst, sustained, after, quartiles) in rows.items():
         against = ""
         if label in floors:
             floor_burst, floor_sustained = floors[label]
@@ -122,6 +130,7 @@ def main() -> int:
         else:
             against = f"{bandwidth[0] / 1e12:>9.2f} TB/s {bandwidth[1] / 1e12:>12.2f} TB/s"
         print(f"{label:>22} {burst:>9.3f} {sustained:>10.3f} {sustained / burst:>10.3f}  {against}  {after}")
+        print(f"{'':>22} {quartiles}")
     return 0
 
 
