@@ -157,7 +157,7 @@ def main() -> int:
         print(f"{name:>8} N {width} K {inner} M {rows}: floor {floor:.1f} us; cuBLAS {baseline:.1f} "
               f"({baseline / floor:.2f}x); heuristic #0 {heuristic_first:.1f}; "
               f"{len(timed)} timed, rel diff of the best {diff:.1e}; lt_product chooses "
-              f"{chooser[1].source if chooser else 'torch'}", flush=True)
+              f"{chooser.source if chooser else 'torch'}", flush=True)
         for us, algo in timed[: 8 if args.grid else 3]:
             print(f"         {us:7.1f} us {us / floor:5.2f}x  {algo.source:>13}  ws {algo.workspace >> 10} KB  "
                   f"{algo.describe()}", flush=True)

@@ -8,7 +8,8 @@ still at some shapes is the heuristic's own kernel with tiles fitted to the rows
 does not pair them with (at a verify's 257 rows 64 x 136 or 128 x 88 tiles, x's rows in two or three
 blocks padded by 15 or 7, in 1x1 or 1x2 clusters): ``fitted`` makes those. So the first time ``linear``
 sees a shape (rows, N, K, summed or not) inside ``choosing()``, it times torch's own call against each
-algorithm the heuristic offers and each fitted one, on this call's operands into a scratch output with
+algorithm the heuristic offers, each fitted one and each ``Split`` (torch's call in two along N, the first
+part cut to fill whole waves of the SMs), on this call's operands into a scratch output with
 the L2 flushed before each call (a pass reads each weight from memory), times the fastest few again for
 longer, and keeps the fastest if it beats torch's by ``MARGIN``. ``graph_cache.capture`` runs its
 warm-up calls inside ``choosing()``, so the passes that replay as graphs (verify widths, full prompt
@@ -47,6 +48,9 @@ TIMED_CALLS, ROUNDS = 5, 5  # calls per candidate per round; the median round co
 FINALISTS, FINAL_ROUNDS = 3, 15  # the fastest few are timed again, longer, against torch's call: candidates a few
 # percent apart swapped places from one process to the next in 5 rounds (8B down_proj at 257 rows: 41 against 46 us)
 FLUSH_L2S = 2  # a buffer of twice the GPU's L2 is read before each timed call
+SPLIT_SIDES = (128, 176, 192, 256)  # tile sides along N (cuBLAS's at 256-257 rows) a split's first part fits
+SPLIT_ROW_BLOCKS = (1, 2, 3)  # the blocks of x's rows those tiles may come in
+SPLIT_LEAST = 1024  # the narrowest second part of a split
 OP_T = 1  # cublasOperation_t CUBLAS_OP_T
 
 
@@ -157,6 +161,58 @@ def fitted(plan: "LtProduct", base: Algorithm, rows: int) -> list[Algorithm]:
     return [algo for algo in found if algo is not None]
 
 
+def split_points(width: int, sms: int) -> list[int]:
+    """Where ``Split`` may cut N: a first part of whole waves (``sms`` tiles each) of tiles SPLIT_SIDES
+    wide in SPLIT_ROW_BLOCKS blocks of rows, at least a third of N, leaving at least SPLIT_LEAST."""
+    points = {waves * (sms // blocks) * side for side in SPLIT_SIDES for blocks in SPLIT_ROW_BLOCKS
+              for waves in range(1, width // max(1, (sms // blocks) * side) + 1)}
+    return sorted(at for at in points if width / 3 <= at <= width - SPLIT_LEAST)
+
+
+@dataclass
+class LtChoice:
+    """A cuBLASLt algorithm chosen for a shape, with the shape's descriptors."""
+
+    plan: "LtProduct"
+    algo: Algorithm
+
+    @property
+    def source(self) -> str:
+        return self.algo.source
+
+    def run(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return self.plan.run(x, weight, out, self.algo)
+
+    def describe(self) -> str:
+        return self.algo.describe()
+
+
+@dataclass
+class Split:
+    """torch's call in two: the weight's rows [:at], then [at:], into those columns of one output. One
+    call's tiles fill whole waves of the SMs but for its last, which runs part full; here the first part
+    is whole waves and the second is priced on its own (at 257 rows faster for some wide products:
+    ``benchmarks/results/wide_passes_h200.md``)."""
+
+    at: int
+    add: bool
+
+    @property
+    def source(self) -> str:
+        return f"split at {self.at}"
+
+    def run(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        for part in (slice(None, self.at), slice(self.at, None)):  # column slices: cuBLAS takes their stride
+            if self.add:
+                out[:, part].addmm_(x, weight[part].t())
+            else:
+                torch.mm(x, weight[part].t(), out=out[:, part])
+        return out
+
+    def describe(self) -> str:
+        return f"torch's call split at N = {self.at}"
+
+
 class LtProduct:
     """The cuBLASLt descriptors of out [rows, width] (+)= x [rows, inner] @ weight [width, inner]^T."""
 
@@ -223,8 +279,8 @@ def choosing() -> Iterator[None]:
         _choosing -= 1
 
 
-# (device index, rows, N, K, summed, dtype) -> (descriptors, algorithm), or None: torch's own call
-_CHOSEN: dict[tuple, tuple[LtProduct, Algorithm] | None] = {}
+# (device index, rows, N, K, summed, dtype) -> the choice (its ``run`` computes the product), or None: torch's call
+_CHOSEN: dict[tuple, LtChoice | Split | None] = {}
 _UNSEEN = object()
 # the same keys -> (torch's call, the fastest offered algorithm: ms per TIMED_CALLS calls, its place)
 _TIMES: dict[tuple, tuple[float, float, str]] = {}
@@ -254,33 +310,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = Non
             chosen = _CHOSEN[key] = _choose(x, weight, out is not None) if timed else None
         if chosen is None:
             return None
-    plan, algo = chosen
-    return plan.run(x, weight, out if out is not None else x.new_empty(rows, width), algo)
+    return chosen.run(x, weight, out if out is not None else x.new_empty(rows, width))
 
 
-def _choose(x: torch.Tensor, weight: torch.Tensor, add: bool) -> tuple[LtProduct, Algorithm] | None:
-    """Time torch's call, each offered algorithm and each fitted one on these operands, then torch's call
-    and the FINALISTS fastest again over FINAL_ROUNDS; the fastest of those if it beats torch's call by
-    MARGIN, else None."""
+def _choose(x: torch.Tensor, weight: torch.Tensor, add: bool) -> LtChoice | Split | None:
+    """Time torch's call, each offered algorithm, each fitted one and each split on these operands, then
+    torch's call and the FINALISTS fastest again over FINAL_ROUNDS; the fastest of those if it beats
+    torch's call by MARGIN, else None."""
     plan = LtProduct(x.shape[0], weight.shape[0], x.shape[1], x.dtype, add)
     offered = [algo for algo in plan.heuristic(CANDIDATES) if algo.workspace <= WORKSPACE_BYTES]
-    if not offered:
+    offered += fitted(plan, offered[0], x.shape[0]) if offered else []
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    candidates = [LtChoice(plan, algo) for algo in offered]
+    candidates += [Split(at, add) for at in split_points(weight.shape[0], sms)]
+    if not candidates:
         return None
-    offered += fitted(plan, offered[0], x.shape[0])
     scratch = x.new_zeros(x.shape[0], weight.shape[0])
 
     def torch_call():
         return scratch.addmm_(x, weight.t()) if add else torch.mm(x, weight.t(), out=scratch)
 
-    calls = [torch_call] + [functools.partial(plan.run, x, weight, scratch, algo) for algo in offered]
+    calls = [torch_call] + [functools.partial(choice.run, x, weight, scratch) for choice in candidates]
     times = time_calls(calls, x.device)
     finalists = sorted(range(1, len(calls)), key=times.__getitem__)[:FINALISTS]
     final = time_calls([calls[0]] + [calls[i] for i in finalists], x.device, FINAL_ROUNDS)
     best = min(range(1, len(final)), key=final.__getitem__)
-    algo = offered[finalists[best - 1] - 1]
+    choice = candidates[finalists[best - 1] - 1]
     key = (x.device.index, x.shape[0], weight.shape[0], x.shape[1], add, x.dtype)
-    _TIMES[key] = (final[0], final[best], algo.source)
-    return (plan, algo) if final[best] < (1 - MARGIN) * final[0] else None
+    _TIMES[key] = (final[0], final[best], choice.source)
+    return choice if final[best] < (1 - MARGIN) * final[0] else None
 
 
 def report() -> list[str]:
@@ -292,7 +350,7 @@ def report() -> list[str]:
         shape = f"{rows:>5} x {width:>6} x {inner:>6}{' +=' if add else '   '}"
         lines.append(f"{shape}  torch {torch_ms / TIMED_CALLS * 1e3:7.1f} us  {source:>12} "
                      f"{best_ms / TIMED_CALLS * 1e3:7.1f} us  -> "
-                     + (chosen[1].describe() if chosen else "torch's call"))
+                     + (chosen.describe() if chosen else "torch's call"))
     return lines
 
 

@@ -1,9 +1,9 @@
 """cuBLASLt products with a timed choice of algorithm (``workers.models.lt_product``) against torch's
 own. On a GPU with nvmath-python (GPU-marked, skipped elsewhere): every algorithm the heuristic offers
-computes the product, the layers' calls take the chosen one, a choice stays for the process (the same
-bits eagerly and in a replayed graph), shapes are timed only inside ``choosing()`` (a graph capture's
-warm-ups), and a shape first met elsewhere or inside a capture keeps torch's call. On any machine: the
-CPU path never reaches it.
+computes the product, and so does torch's call split along N; the layers' calls take the chosen one, a
+choice stays for the process (the same bits eagerly and in a replayed graph), shapes are timed only
+inside ``choosing()`` (a graph capture's warm-ups), and a shape first met elsewhere or inside a capture
+keeps torch's call. On any machine: the CPU path never reaches it, and where a split may cut N.
 """
 
 from __future__ import annotations
@@ -56,6 +56,20 @@ def test_choosing_nests():
     assert lt_product._choosing == 0
 
 
+def test_split_points_fill_whole_waves_of_the_sms():
+    """A split's first part is whole waves of some tile (SPLIT_SIDES wide, in 1-3 blocks of rows) on this
+    many SMs, a third of N or more, leaving SPLIT_LEAST or more; the H200's (132 SMs) fastest cuts of
+    the 27B gate/up (N = 34816 at 257 rows: 66 tiles 192 wide, two blocks of rows) and the 8B gate/up (N =
+    24576: 132 x 128) are among them, and narrow products have none."""
+    assert 12672 in lt_product.split_points(34816, 132) and 16896 in lt_product.split_points(24576, 132)
+    for width, sms in ((34816, 132), (14336, 132), (248320, 132), (34816, 84)):
+        points = lt_product.split_points(width, sms)
+        assert points and all(width / 3 <= at <= width - lt_product.SPLIT_LEAST for at in points)
+        assert all(any(at % ((sms // blocks) * side) == 0 for side in lt_product.SPLIT_SIDES
+                       for blocks in lt_product.SPLIT_ROW_BLOCKS) for at in points)
+    assert lt_product.split_points(5120, 132) == [] and lt_product.split_points(4096, 84) == []
+
+
 def relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
@@ -87,6 +101,44 @@ def test_every_offered_algorithm_computes_the_product(lt, rows, width, inner, ad
     for algo in offered + made:
         out = residual.clone() if add else torch.full_like(residual, float("nan"))  # beta = 0 ignores it
         assert relative(plan.run(x, weight, out, algo), want) < 1e-2, algo.describe()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("at", [1024, 4096, 7168])
+@pytest.mark.parametrize("add", [False, True])
+@torch.inference_mode()
+def test_a_split_computes_the_product(at, add):
+    """torch's call in two, into column slices of one output: F.linear's product (or the residual plus
+    it), every column written once."""
+    x, weight, residual = operands(257, 8192, 1024, at)
+    want = residual.clone().addmm_(x, weight.t()) if add else F.linear(x, weight)
+    out = residual.clone() if add else torch.full_like(residual, float("nan"))
+    got = lt_product.Split(at, add).run(x, weight, out)
+    assert got is out and relative(got, want) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@torch.inference_mode()
+def test_a_chosen_split_keeps_its_bits_in_a_graph(lt, monkeypatch):
+    """With no cuBLASLt algorithm offered and every candidate counted faster, the chooser keeps a split;
+    the layers' product runs it, and a replayed graph gives the eager bits."""
+    from workers.models.fused_layer import product
+
+    monkeypatch.setattr(lt, "MARGIN", -1.0)
+    monkeypatch.setattr(lt.LtProduct, "heuristic", lambda self, count: [])
+    x, weight, _ = operands(257, 34816, 256)
+    with lt.choosing():
+        got = product(x, weight)
+    ((key, chosen),) = lt._CHOSEN.items()
+    assert isinstance(chosen, lt.Split) and lt._TIMES[key][2] == chosen.source
+    assert relative(got, F.linear(x, weight)) < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = product(x, weight)
+    graph.replay()
+    assert torch.equal(out, got)
 
 
 @pytest.mark.gpu
