@@ -10,8 +10,9 @@ pass width q (1: AR's step, ``advance``; 17: a DFlash chain; more: a DDTree tree
 target loads its inputs and captures once; then, ``--reps`` times, each replays its graph alone (timed
 by CUDA events) and runs the whole call (the inputs' copies, the replay; host clock to a
 synchronisation). Prints per row the median and quartiles of each, and the ratios of the medians to
-no PDL; per width, the SM clock just after its timings (a lower clock under seconds of compute-bound
-replays would make its wide passes slower than ``gpu_speed.py``'s short runs time them).
+no PDL; per width, the SM clock and board power (nvidia-smi) just after its timings (a lower clock
+under seconds of compute-bound replays makes its wide passes slower than ``gpu_speed.py``'s short runs
+time them: ``sustained.py``).
 """
 
 from __future__ import annotations
@@ -21,20 +22,13 @@ import statistics
 import time
 
 import torch
-from gpu_speed import random_tree  # a sibling script: benchmarks/ is on sys.path
+from gpu_speed import random_tree  # sibling scripts: benchmarks/ is on sys.path
+from sustained import clock_and_power
 
 from workers.models import lt_product, pdl_triton
 from workers.models.kernels import dependent_launches
 from workers.models.runner.target import StaticTarget
 from workers.models.shapes import build_random_drafter, build_random_target
-
-
-def sm_clock() -> str:
-    """The GPU's SM clock over its last sample period (nvidia-smi's), or why it is not known."""
-    try:
-        return f"{torch.cuda.clock_rate()} MHz"
-    except Exception as exc:  # pynvml absent, or no NVML on this machine
-        return f"unknown ({type(exc).__name__})"
 
 
 def quartiles(samples: list[float]) -> tuple[float, float, float]:
@@ -101,7 +95,7 @@ def main() -> int:
                     calls[label]()
                     torch.cuda.synchronize()
                     call_ms[label].append((time.perf_counter() - start) * 1e3)
-            print(f"      SM clock after the {q}-row timings: {sm_clock()}")
+            print(f"      SM clock, board power after the {q}-row timings: {clock_and_power()}")
             for way, samples in (("replay", replay_ms), ("call", call_ms)):
                 spreads = {label: quartiles(samples[label]) for label in modes}
                 print(f"{q:>5} {way:>6} " + " ".join(f"{low:>8.3f} {mid:>7.3f} {high:>7.3f}"
