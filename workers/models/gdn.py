@@ -111,10 +111,11 @@ class TreeShape:
         return self
 
     def to(self, device: torch.device) -> TreeShape:
+        if torch.device(device).type == "cuda" and not self.parents.is_cuda:  # CPU-built, CUDA-used: as built there
+            return TreeShape.build(self.parents.to(device), self.lag_index.shape[1] - 1, self.chain, self.commits)
         moved = [None if x is None else x.to(device)
                  for x in (self.parents, self.lag_index, self.ancestors, self.block_slots, self.block_mask)]
-        shape = TreeShape(*moved[:3], self.chain, self.commits, *moved[3:])
-        return shape.with_blocks() if torch.device(device).type == "cuda" else shape  # CPU-built, CUDA-used
+        return TreeShape(*moved[:3], self.chain, self.commits, *moved[3:])
 
 
 # -- the short convolution ---------------------------------------------------------------------------

@@ -14,7 +14,8 @@ need. On those 32 slots the program forms the keys' Gram matrix, the path sums o
 (the paths' systems: each slot's row on its strict ancestors) and the nodes' query weights e, then
 w = e (I + L)^-1 by the nilpotent product (I - L)(I + L^2)(I + L^4)(I + L^8), and the outputs
 exp(G) q_ S0 + w r regrouped so that only the nodes' rows meet the committed state S0: all
-tensor-core products of 32-wide tiles, nothing written but the outputs. The torch form in
+tensor-core products of 32-wide tiles, nothing written but the outputs. Where the root is apart from the
+blocks (``tree_blocks.root_apart``), one more program per head gives its output. The torch form in
 ``gdn`` is the reference it is tested against (``tests/workers/models/test_gdn_triton.py``).
 """
 
@@ -38,20 +39,57 @@ NORM_HEADS = 16  # heads per program of the gated norm
 
 @triton.jit
 def _tree_block_kernel(
-    KQ, V, STATE, LOG_GATE, BETA, SLOTS, MASK, OUT, Z, NORM_W, nodes, z_stride, eps,
+    KQ, V, STATE, LOG_GATE, BETA, SLOTS, MASK, OUT, Z, NORM_W, nodes, z_stride, eps, root_program,
     HEADS: tl.constexpr, REPEAT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CONTEXT: tl.constexpr,
     BLOCK: tl.constexpr, BK: tl.constexpr, FACTORS: tl.constexpr, PRECISION: tl.constexpr, NORMED: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program (block b, value head h). KQ [Hk, 2, q, DK] (k_, then q_; value head h reads key head
-    h // REPEAT), V [H, q, DV], STATE [H, DK, DV] the committed state S0, LOG_GATE / BETA [q, H],
-    SLOTS [n, S] (S = CONTEXT + BLOCK; the block's nodes in the last BLOCK slots), MASK [n, S, S]
-    ancestor-or-self, from ``tree_blocks``. OUT [q, H, DV] float32; or, NORMED, [q, H*DV] in OUT's
-    dtype after the gated norm of each row (``_gated_norm``'s, with Z [q, H*DV] (rows z_stride apart)
-    and NORM_W [DV])."""
+    """Program (block b, value head h), or (b = root_program: the root apart from the blocks, head h).
+    KQ [Hk, 2, q, DK] (k_, then q_; value head h reads key head h // REPEAT), V [H, q, DV], STATE [H,
+    DK, DV] the committed state S0, LOG_GATE / BETA [q, H], SLOTS [n, S] (S = CONTEXT + BLOCK; the
+    block's nodes in the last BLOCK slots), MASK [n, S, S] ancestor-or-self, from ``tree_blocks``. OUT
+    [q, H, DV] float32; or, NORMED, [q, H*DV] in OUT's dtype after the gated norm of each row
+    (``_gated_norm``'s, with Z [q, H*DV] (rows z_stride apart) and NORM_W [DV])."""
     wait_for_inputs(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
+    if b == root_program:
+        _root_outputs(KQ, V, STATE, LOG_GATE, BETA, OUT, Z, NORM_W, h, nodes, eps, HEADS, REPEAT, DK, DV, BK,
+                      NORMED)
+    else:
+        _block_outputs(KQ, V, STATE, LOG_GATE, BETA, SLOTS, MASK, OUT, Z, NORM_W, b, h, nodes, z_stride, eps,
+                       HEADS, REPEAT, DK, DV, CONTEXT, BLOCK, BK, FACTORS, PRECISION, NORMED)
+
+
+@triton.jit
+def _root_outputs(KQ, V, STATE, LOG_GATE, BETA, OUT, Z, NORM_W, h, nodes, eps, HEADS: tl.constexpr,
+                  REPEAT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, NORMED: tl.constexpr):
+    """The root's (node 0's) output for head h. Its path is itself, so the block form's sums hold one
+    term: out = (exp(g) q - c k) S0 + a v with a = beta q.k and c = a exp(g); float32 products."""
+    d = tl.arange(0, DK)
+    cols = tl.arange(0, DV)
+    kq = KQ + (h // REPEAT) * 2 * nodes * DK
+    decay = tl.exp(tl.load(LOG_GATE + h))
+    a = tl.load(BETA + h).to(tl.float32) * tl.sum(tl.load(kq + nodes * DK + d) * tl.load(kq + d))
+    out = a * tl.load(V + h * nodes * DV + cols)  # [DV]
+    for step in range(0, DK, BK):
+        ds = step + tl.arange(0, BK)
+        state = tl.load(STATE + h * DK * DV + ds[:, None] * DV + cols[None, :])  # [BK, DV]
+        q_eff = decay * tl.load(kq + nodes * DK + ds) - a * decay * tl.load(kq + ds)  # [BK]
+        out += tl.sum(q_eff[:, None] * state, axis=0)
+    out = out[None, :]  # [1, DV]: the row the norm and the store take
+    if NORMED:
+        z = tl.load(Z + h * DV + cols)[None, :]
+        out = _gated_norm(out, z, tl.load(NORM_W + cols)[None, :], eps, OUT.dtype.element_ty, DV)
+    tl.store(OUT + h * DV + cols[None, :], out)
+
+
+@triton.jit
+def _block_outputs(KQ, V, STATE, LOG_GATE, BETA, SLOTS, MASK, OUT, Z, NORM_W, b, h, nodes, z_stride, eps,
+                   HEADS: tl.constexpr, REPEAT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                   CONTEXT: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr, FACTORS: tl.constexpr,
+                   PRECISION: tl.constexpr, NORMED: tl.constexpr):
+    """The outputs of block b's nodes for head h."""
     S: tl.constexpr = CONTEXT + BLOCK
     i = tl.arange(0, S)
     j = tl.arange(0, BLOCK) + CONTEXT  # the block's own slots: the nodes whose outputs this program writes
@@ -136,6 +174,8 @@ def tree_outputs(
     heads, dv = v_.shape[0], v_.shape[-1]
     kq = kq.contiguous()
     slots, mask = blocks if blocks is not None else tree_blocks(ancestors)
+    count = slots.shape[0]
+    apart = count * TREE_BLOCK < nodes  # the root left out of the blocks (``tree_blocks.root_apart``)
     precision = precision or ("tf32" if model_dtype == torch.bfloat16 else "tf32x3")
     if norm is None:
         out = torch.empty(nodes, heads, dv, dtype=torch.float32, device=v_.device)
@@ -144,9 +184,9 @@ def tree_outputs(
         z, weight, eps = norm
         z = z if z.stride(-1) == 1 else z.contiguous()
         out = torch.empty(nodes, heads * dv, dtype=model_dtype, device=v_.device)
-    _tree_block_kernel[(slots.shape[0], heads)](
+    _tree_block_kernel[(count + apart, heads)](
         kq, v_.contiguous(), state.contiguous(), log_gate.float().contiguous(), beta.contiguous(), slots,
-        mask.view(torch.uint8), out, z, weight, nodes, z.stride(0), eps,
+        mask.view(torch.uint8), out, z, weight, nodes, z.stride(0), eps, count if apart else -1,
         HEADS=heads, REPEAT=heads // key_heads, DK=dk, DV=dv, CONTEXT=slots.shape[1] - TREE_BLOCK,
         BLOCK=TREE_BLOCK, BK=min(dk, PRODUCT_STEP),
         FACTORS=max(1, (ancestors.shape[1] - 1).bit_length()), PRECISION=precision, NORMED=norm is not None,

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from workers.models.pdl_triton import launch_options, wait_for_inputs
-from workers.models.tree_blocks import TREE_BLOCK
+from workers.models.tree_blocks import TREE_BLOCK, root_apart
 
 NODES_PER_STEP = 512  # nodes a step of the counting program's walks takes (a 257-node pass in one)
 PAIRS_SIDE = 64  # the counting program's sibling test: [64, 64] pairs a step
@@ -86,18 +86,19 @@ def _tree_count_places_kernel(PARENTS, ANC, LAG, DEPTH, SIZE, LEFT, ORDER, nodes
 
 
 @triton.jit
-def _tree_block_slots_kernel(ANC, ORDER, SLOTS, MASK, nodes, P: tl.constexpr, BLOCK: tl.constexpr,
+def _tree_block_slots_kernel(ANC, ORDER, SLOTS, MASK, nodes, skipped, P: tl.constexpr, BLOCK: tl.constexpr,
                              PDL: tl.constexpr):
     """Program (block i): SLOTS[i] [S = P + BLOCK] = the strict ancestors of the block's first node
-    (parent first, the sentinel past the root), the sentinel, its BLOCK nodes of the preorder (the
-    sentinel past the last); MASK[i] [S, S] uint8: slot b is slot a or one of its ancestors, both real."""
+    (parent first, the sentinel past the root), the sentinel, its BLOCK nodes of the preorder after its
+    first ``skipped`` (1: the root apart) (the sentinel past the last); MASK[i] [S, S] uint8: slot b is
+    slot a or one of its ancestors, both real."""
     wait_for_inputs(PDL)
     i = tl.program_id(0)
     S: tl.constexpr = P + BLOCK
     j = tl.arange(0, S)
-    first = tl.load(ORDER + i * BLOCK)
+    first = tl.load(ORDER + skipped + i * BLOCK)
     context = tl.load(ANC + first * P + 1 + j, mask=j < P - 1, other=nodes)
-    at = i * BLOCK + j - P
+    at = skipped + i * BLOCK + j - P
     member = tl.load(ORDER + at, mask=(j >= P) & (at < nodes), other=nodes)
     slot = tl.where(j < P - 1, context, tl.where(j >= P, member, nodes))
     tl.store(SLOTS + i * S + j, slot)
@@ -114,7 +115,8 @@ def tree_shape(parents: torch.Tensor, window: int, width: int) -> tuple[torch.Te
     [n, S, S] bool) of the tree ``parents`` [q] (-1 for the root): ``gdn.ancestor_table(parents, width)``,
     ``gdn.conv_lag_index(parents, window)`` and ``tree_blocks.tree_blocks`` of those ancestors."""
     nodes, device = parents.shape[0], parents.device
-    count, side = -(-nodes // TREE_BLOCK), width + TREE_BLOCK
+    skipped = int(root_apart(nodes))
+    count, side = -(-(nodes - skipped) // TREE_BLOCK), width + TREE_BLOCK
     ancestors = torch.empty(nodes, width, dtype=torch.long, device=device)
     lag_index = torch.empty(nodes, window + 1, dtype=torch.long, device=device)
     scratch = torch.empty(4, nodes, dtype=torch.int32, device=device)  # depth, size, left, the preorder
@@ -123,6 +125,6 @@ def tree_shape(parents: torch.Tensor, window: int, width: int) -> tuple[torch.Te
     _tree_count_places_kernel[(1,)](
         parents.contiguous(), ancestors, lag_index, *scratch, nodes, WINDOW=window, P=width, BT=NODES_PER_STEP,
         BS=PAIRS_SIDE, **launch_options(device))
-    _tree_block_slots_kernel[(count,)](ancestors, scratch[3], slots, mask, nodes, P=width, BLOCK=TREE_BLOCK,
-                                       **launch_options(device))
+    _tree_block_slots_kernel[(count,)](ancestors, scratch[3], slots, mask, nodes, skipped, P=width,
+                                       BLOCK=TREE_BLOCK, **launch_options(device))
     return ancestors, lag_index, slots, mask.view(torch.bool)

@@ -23,7 +23,7 @@ from workers.models.gdn import (
     tree_delta_rule,
     window_after,
 )
-from workers.models.tree_blocks import preorder, tree_blocks
+from workers.models.tree_blocks import preorder, root_apart, tree_blocks
 
 qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 
@@ -138,16 +138,20 @@ def depth_first(parents: torch.Tensor) -> list[int]:
 @pytest.mark.parametrize("q, depth, seed", [(1, 1, 0), (16, 15, 1), (17, 1, 2), (40, 15, 3), (300, 6, 4),
                                             (300, 15, 5), (1025, 15, 6)])
 def test_tree_blocks_hold_every_path_of_their_nodes(q: int, depth: int, seed: int) -> None:
-    """The CUDA tree kernel's blocks: the preorder is the stack walk's; each block's slots hold every
-    ancestor of each of its nodes, once; the mask is the ancestor-or-self relation of the slots."""
+    """The CUDA tree kernel's blocks: the preorder is the stack walk's (the root's own program aside, where
+    the rest fill whole blocks); each block's slots hold every ancestor of each of its nodes, once; the
+    mask is the ancestor-or-self relation of the slots."""
     g = torch.Generator().manual_seed(seed)
     parents = torch.arange(-1, q - 1) if depth == q - 1 else random_tree_parents(q, depth, g)
     ancestors = ancestor_table(parents)
     assert preorder(ancestors).tolist() == depth_first(parents)
     slots, mask = tree_blocks(ancestors, block=16)
-    assert slots.shape == (-(-q // 16), MAX_PATH + 16) and mask.shape == (slots.shape[0], *slots.shape[1:] * 2)
+    apart = root_apart(q, 16)  # the root left out where the other nodes fill whole blocks
+    assert apart == (q in (17, 1025))
+    assert slots.shape == (-(-(q - apart) // 16), MAX_PATH + 16)
+    assert mask.shape == (slots.shape[0], *slots.shape[1:] * 2)
     members = slots[:, MAX_PATH:].flatten()
-    assert members[members < q].tolist() == depth_first(parents)
+    assert members[members < q].tolist() == depth_first(parents)[apart:]
     for block, block_mask in zip(slots.tolist(), mask):
         real = [s for s in block if s < q]
         assert len(real) == len(set(real))
@@ -160,7 +164,8 @@ def test_tree_blocks_hold_every_path_of_their_nodes(q: int, depth: int, seed: in
 
 def test_only_a_pass_that_does_not_commit_gets_tree_blocks() -> None:
     """A verify pass's shape carries the tree kernel's blocks once it is on a CUDA device
-    (``with_blocks``, which ``build`` and ``to`` call there); a committing pass's (AR's token, a prompt
+    (``with_blocks``, or the Triton launches when ``build`` runs there, as ``to`` does for a CPU-built
+    shape: ``test_gdn_triton.py``); a committing pass's (AR's token, a prompt
     chunk) never does, so a graph-replayed AR step builds no blocks, and a copy mirrors its source
     tensor for tensor (what a split graph's hand-off copies into)."""
     parents = random_parents(40, torch.Generator().manual_seed(3))

@@ -188,6 +188,22 @@ def test_gdn_layer_through_the_kernels_equals_its_torch_path(dtype, chain, q):
         assert torch.equal(got_window, want_window)
 
 
+@pytest.mark.parametrize(("q", "chain", "commits"), [(40, False, False), (9, True, False), (9, True, True)])
+def test_a_cpu_built_shape_moved_to_cuda_equals_one_built_there(q, chain, commits):
+    """``TreeShape.to`` (a split target's first segment on the CPU hands its pass to a GPU) gives what
+    ``build`` gives on the GPU: the two Triton launches' blocks for a tree kernel's pass, none for a
+    committing one."""
+    from workers.models.gdn import TreeShape
+
+    parents = torch.arange(-1, q - 1) if chain else random_tree_parents(q, 15, torch.Generator().manual_seed(q))
+    moved = TreeShape.build(parents, 3, chain, commits).to(torch.device("cuda"))
+    built = TreeShape.build(parents.cuda(), 3, chain, commits)
+    assert (moved.block_slots is None) == commits
+    for name, want in vars(built).items():
+        got = getattr(moved, name)
+        assert got == want if not isinstance(want, torch.Tensor) else (got.is_cuda and torch.equal(got, want)), name
+
+
 @torch.inference_mode()
 @pytest.mark.parametrize("bias", [False, True])
 def test_commit_through_the_kernels_equals_the_chunked_replay(bias):
