@@ -145,12 +145,12 @@ def test_the_key_splits_are_the_measured_choices(programs, resident, sms, fastes
     assert split_count(programs, resident, sms) * programs <= max(programs, 4 * sms)
 
 
-@pytest.mark.parametrize(("chain", "q"), [(False, 40), (False, 130), (True, 40), (True, 1), (True, 7)])
+@pytest.mark.parametrize(("chain", "q"), [(False, 40), (False, 129), (True, 40), (True, 1), (True, 7)])
 @torch.inference_mode()
 def test_a_gdn_layer_through_the_kernels_equals_its_torch_path(chain, q):
     """A whole GDN layer (fused projection, conv prologue, tree solve or chain rule, gated norm; a chain
     committed as it goes) through the kernels against its torch path: outputs, and for a chain the
-    state and conv window it leaves."""
+    state and conv window it leaves. At 129 nodes the root is apart from the tree kernel's blocks."""
     from workers.models.gdn import TreeShape
     from workers.models.gdn_layer import gdn_layer_for
     from workers.models.shapes import build_random_target
