@@ -53,7 +53,7 @@ def tree_blocks(ancestors: torch.Tensor, block: int = TREE_BLOCK) -> tuple[torch
     one of its ancestors (both real nodes).
     """
     q, width = ancestors.shape
-    order = preorder(ancestors)[1:] if root_apart(q, block) else preorder(ancestors)
+    order = preorder(ancestors)[int(root_apart(q, block)):]  # the root is the preorder's first node
     count = -(-order.shape[0] // block)
     members = torch.cat((order, order.new_full((count * block - order.shape[0],), q))).view(count, block)
     with_sentinel = torch.cat((ancestors, ancestors.new_full((1, width), q)))  # row q: the sentinel's
