@@ -16,7 +16,9 @@ mask (not the pass's attention: what a fused kernel does at this shape) and cuDN
 ``--ends`` also times each choice as the target passes run it: in o_proj's layout with each node's
 ``ends``, each block of rows stopping at its last node's end ("ends"). ``--causal`` makes the pass a
 prompt chunk (every node sees every earlier one; with ``--length 0`` a prompt's first chunk) instead
-of a random tree.
+of a random tree. ``--shared`` also times each choice without given splits with its work shared among
+one round of the programs the GPU holds at once (``attention_triton.SHARED``, stream-K: "shared"), and
+``--programs`` among each of these counts ("shared N").
 """
 
 from __future__ import annotations
@@ -101,6 +103,10 @@ def main() -> int:
     parser.add_argument("--ends", action="store_true",
                         help="each choice also with each node's ends, in o_proj's layout (the target passes' form)")
     parser.add_argument("--causal", action="store_true", help="a prompt chunk's visibility instead of a tree's")
+    parser.add_argument("--shared", action="store_true",
+                        help="each choice without given splits also with its work shared among one round of programs")
+    parser.add_argument("--programs", type=numbers, default=(),
+                        help="and shared among each of these counts, e.g. 264,528")
     args = parser.parse_args()
     shape = TARGETS[args.shape]
     kv_heads, dim = shape["num_key_value_heads"], shape["head_dim"]
@@ -131,29 +137,35 @@ def main() -> int:
                        for keys_ in GRID_KEYS for stages_ in args.grid_stages for splits_ in args.grid_splits]
         forms = (True, False) if args.descriptors else (None,)
         by_node = want.reshape(kv_heads * groups, q, dim).transpose(0, 1).reshape(q, -1)
-        for choice, tma, bounded in ((choice, tma, bounded) for choice in choices for tma in forms
-                                     for bounded in ((False, True) if args.ends else (False,))):
+        # how the work is divided: key splits (None), shared among one round of programs (0), or among N
+        divisions = (None,) + ((0,) if args.shared else ()) + tuple(args.programs)
+        bounded_forms = (False, True) if args.ends else (False,)
+        for choice, tma, bounded, programs in ((choice, tma, bounded, programs) for choice in choices
+                                               for tma in forms for bounded in bounded_forms
+                                               for programs in divisions if programs is None or choice[4] is None):
             block, keys, warps, stages, splits = choice
 
             def call():
                 return attention_triton.attend_until(query, key, value, mask, slots, dim**-0.5, splits=splits,
-                                                     rows_per_program=block, **({"nodes": q, "ends": ends}
-                                                                                 if bounded else {}))
+                                                     rows_per_program=block, programs=programs or None,
+                                                     **({"nodes": q, "ends": ends} if bounded else {}))
 
             first = attention_triton.tiles_for(dim)[0]
             tiles = first if keys is None else (block or first[0], keys, warps, stages)
-            with attention_triton.only_tiles(tiles), attention_triton.by_descriptor(tma):
+            name = label(choice, tma) + ("" if programs is None else f" shared {programs or ''}".rstrip())
+            with (attention_triton.only_tiles(tiles), attention_triton.by_descriptor(tma),
+                  attention_triton.sharing(programs == 0)):
                 try:
                     got = call()
                 except Exception as error:  # noqa: BLE001 - a choice that fails to compile here: the next
-                    print(f"{q:>5} {rows:>5} {label(choice, tma):>34} {'fails':>7}  {str(error).splitlines()[0][:80]}")
+                    print(f"{q:>5} {rows:>5} {name:>34} {'fails':>7}  {str(error).splitlines()[0][:80]}")
                     continue
                 if got is None:
-                    print(f"{q:>5} {rows:>5} {label(choice, tma):>34} {'no room':>7}")
+                    print(f"{q:>5} {rows:>5} {name:>34} {'no room':>7}")
                     continue
                 reference = by_node if bounded else want
                 error = ((got.float() - reference).norm() / reference.norm()).item()
-                name = label(choice, tma) + (" ends" if bounded else "")
+                name += " ends" if bounded else ""
                 print(f"{q:>5} {rows:>5} {name:>34} {replay_us(call):7.1f} {error:7.0e}")
     return 0
 

@@ -3,7 +3,8 @@ on this machine, with no GPU, for the architectures people run on.
 
     python benchmarks/kernel_resources.py [--shape qwen3.6-27b] [--arch 80,86,89,90]
 
-Each kernel is compiled exactly as its wrapper launches it for the named model shape (the wrapper runs
+Each kernel is compiled exactly as its wrapper launches it for the named model shape (a hybrid's GDN
+kernels with the rest where the shape has them; the wrapper runs
 on CPU tensors of the real layouts and its launch is recorded instead of run), for each architecture
 (86: the RTX A6000 the project's users run; 90: the H200 its benchmarks run on). Printed per kernel
 and architecture: shared memory against the architecture's per-block limit (more than that and the
@@ -88,14 +89,14 @@ def recording(module, name: str, label: str, into: list[Launch]):
         setattr(module, name, kernel)
 
 
-def launches(shape: dict, q: int = 257) -> list[Launch]:
-    """The launches of one verify pass's kernels (and AR's step and a commit) at ``shape``'s sizes."""
+def gdn_launches(shape: dict, parents: torch.Tensor) -> list[Launch]:
+    """A hybrid's GDN kernels in one verify pass of the tree ``parents`` (and AR's step and a commit)."""
     out: list[Launch] = []
+    q = len(parents)
     hk, h = shape["linear_num_key_heads"], shape["linear_num_value_heads"]
     d, taps = shape["linear_key_head_dim"], shape["linear_conv_kernel_dim"]
     channels = (2 * hk + h) * d
     bf16, f32 = torch.bfloat16, torch.float32
-    parents = torch.cat((torch.tensor([-1]), torch.arange(q - 1) // 2))  # a binary tree, depth < 15 for q = 257
     ancestors = gdn.ancestor_table(parents)
     lag = gdn.conv_lag_index(parents, taps - 1)
     inputs = torch.zeros(q, channels, dtype=bf16)
@@ -121,7 +122,16 @@ def launches(shape: dict, q: int = 257) -> list[Launch]:
             gdn_triton.commit_path(torch.zeros(taps - 1 + q, channels, dtype=bf16), torch.arange(count),
                                    torch.zeros(channels, taps, dtype=bf16), None, g, beta, state,
                                    torch.zeros(taps - 1, channels, dtype=bf16), hk)
+    return out
 
+
+def launches(shape: dict, q: int = 257) -> list[Launch]:
+    """The launches of one verify pass's kernels (and AR's step and a commit) at ``shape``'s sizes: a
+    hybrid's (GDN, its attention heads' kernels) or an attention-only target's."""
+    hybrid = "linear_num_key_heads" in shape
+    parents = torch.cat((torch.tensor([-1]), torch.arange(q - 1) // 2))  # a binary tree, depth < 15 for q = 257
+    out = gdn_launches(shape, parents) if hybrid else []
+    bf16 = torch.bfloat16
     heads, kv_heads, head_dim = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
     rotary = int(head_dim * shape.get("rope_parameters", {}).get("partial_rotary_factor", 1.0))
     capacity, rows = 2048, (heads // kv_heads) * q
@@ -141,14 +151,25 @@ def launches(shape: dict, q: int = 257) -> list[Launch]:
                                               nodes=q, ends=(slots + 1).to(torch.int32))  # a target pass's form
             attention[0].family, attention[0].min_arch = family, 90 if tma else 0
             out += attention if choice == 0 and not tma else attention[:1]  # the merge once: the same kernel
-    with recording(fused_hybrid_triton, "_heads_kernel", "attention heads (norm, rotary, K/V write)", out):
-        fused_hybrid_triton.norm_rotate_heads(torch.zeros(q, 2 * heads + 2 * kv_heads, head_dim, dtype=bf16),
-                                              torch.zeros(head_dim, dtype=bf16), torch.zeros(head_dim, dtype=bf16),
-                                              1e-6, torch.zeros(q, rotary, dtype=bf16),
-                                              torch.zeros(q, rotary, dtype=bf16), slots, kv, heads, kv_heads)
-    with recording(fused_hybrid_triton, "_output_gate_kernel", "attention output gate", out):
-        fused_hybrid_triton.output_gate(torch.zeros(heads, q, head_dim, dtype=bf16),
-                                        torch.zeros(q, 2 * heads + 2 * kv_heads, head_dim, dtype=bf16), heads)
+    for tma in (False, True):  # the work shared among one round of programs (stream-K), not yet on by default
+        family = f"verify attention, shared work{' by TMA' if tma else ''}"
+        for tiles in attention_triton.tiles_for(head_dim):
+            with (attention_triton.only_tiles(tiles), attention_triton.by_descriptor(tma),
+                  recording(attention_triton, "_shared_kernel", f"{family} ({'x'.join(map(str, tiles))})", out),
+                  recording(attention_triton, "_merge_kernel", "", [])):
+                attention_triton.attend_until(torch.zeros(kv_heads, rows, head_dim, dtype=bf16), kv[0, 0], kv[1, 0],
+                                              torch.zeros(rows, capacity, dtype=bf16), slots, head_dim**-0.5,
+                                              nodes=q, ends=(slots + 1).to(torch.int32), programs=132)
+            out[-1].family, out[-1].min_arch = family, 90 if tma else 0
+    if hybrid:  # a hybrid's attention heads carry an output gate
+        with recording(fused_hybrid_triton, "_heads_kernel", "attention heads (norm, rotary, K/V write)", out):
+            fused_hybrid_triton.norm_rotate_heads(torch.zeros(q, 2 * heads + 2 * kv_heads, head_dim, dtype=bf16),
+                                                  torch.zeros(head_dim, dtype=bf16), torch.zeros(head_dim, dtype=bf16),
+                                                  1e-6, torch.zeros(q, rotary, dtype=bf16),
+                                                  torch.zeros(q, rotary, dtype=bf16), slots, kv, heads, kv_heads)
+        with recording(fused_hybrid_triton, "_output_gate_kernel", "attention output gate", out):
+            fused_hybrid_triton.output_gate(torch.zeros(heads, q, head_dim, dtype=bf16),
+                                            torch.zeros(q, 2 * heads + 2 * kv_heads, head_dim, dtype=bf16), heads)
     with recording(fused_hybrid_triton, "_rms_norm_kernel", "(1 + w) RMS norm (hidden)", out):
         fused_hybrid_triton.one_plus_rms_norm(torch.zeros(q, shape["hidden_size"], dtype=bf16),
                                               torch.zeros(shape["hidden_size"], dtype=bf16), 1e-6)
@@ -165,9 +186,10 @@ def launches(shape: dict, q: int = 257) -> list[Launch]:
                                             out=torch.empty(rows, width, dtype=bf16) if add else None, tiles=tiles,
                                             splits=2 if "split" in what else None)
             out[-1].family = family
-    with (recording(tree_shape_triton, "_tree_count_places_kernel", "tree shape: paths, places", out),
-          recording(tree_shape_triton, "_tree_block_slots_kernel", "tree shape: blocks", out)):
-        tree_shape_triton.tree_shape(parents, taps - 1, gdn.MAX_PATH)
+    if hybrid:  # the GDN layers' tree shape
+        with (recording(tree_shape_triton, "_tree_count_places_kernel", "tree shape: paths, places", out),
+              recording(tree_shape_triton, "_tree_block_slots_kernel", "tree shape: blocks", out)):
+            tree_shape_triton.tree_shape(parents, shape["linear_conv_kernel_dim"] - 1, gdn.MAX_PATH)
     tree: list[Launch] = []  # DDTree's build at B = q - 1: two launches per depth, the merge, the outputs
     with (recording(tree_triton, "_tree_count_kernel", "tree build: a depth's count", tree),
           recording(tree_triton, "_tree_depth_kernel", "tree build: a depth", tree),
@@ -197,8 +219,6 @@ def main() -> int:
     args = parser.parse_args()
     arches = [int(a) for a in args.arch.split(",")]
     shape = TARGETS[args.shape]
-    if "linear_num_key_heads" not in shape:
-        parser.error(f"--shape {args.shape}: not a hybrid (GDN) target; these kernels are the hybrids'")
     print(f"{args.shape}: Triton {triton.__version__}; per architecture: shared = bytes per block / the "
           "most a block may have, regs = registers per thread, stack = bytes spilled per thread")
     print(f"{'kernel':<52}{'warps':>6}" + "".join(f"{f'sm_{a} shared':>20}{'regs':>6}{'stack':>7}" for a in arches))

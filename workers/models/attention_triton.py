@@ -10,7 +10,9 @@ before them is visible to every row, so its tiles need no mask tile.
 It is a flash-attention forward (online softmax in float32, P rounded to the inputs' dtype for the
 P V product, as SDPA's fused kernels do) over folded rows: query [Hkv, R, D], one program per block
 of rows, K/V head and split of the keys; with few row blocks the keys are split and a second kernel
-merges the partial results by their log-sum-exps. The mask and the query are read through block
+merges the partial results by their log-sum-exps. Or (``SHARED``, not yet on) one round of programs
+shares the (row block, K/V head, key tile) work evenly, stream-K, and the same merge joins each block's
+parts. The mask and the query are read through block
 pointers: per-element pointer tensors for a [64, 256] tile would hold 128 registers a thread and spill
 (``benchmarks/kernel_resources.py`` prints each kernel's registers and spills per architecture). So are
 K and V before Hopper; from Hopper on their whole tiles come by TMA (``uses_descriptors``: at head sizes
@@ -32,7 +34,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from workers.models.kernels import MAX_KEY_SPLITS, row_block
+from workers.models.kernels import MAX_KEY_SPLITS, ROW_BLOCK, row_block
 from workers.models.pdl_triton import launch_options, wait_for_inputs
 
 # (most query rows per program, keys per step, warps, pipeline stages) for head sizes up to 128 and
@@ -85,33 +87,23 @@ def _tile(blocks, descriptor, head, start, BN: tl.constexpr, D: tl.constexpr, BY
 
 
 @triton.jit
-def _attention_kernel(Q, K, V, K_DESC, V_DESC, MASK, SLOTS, ENDS, OUT, PARTIAL, STATS, rows, last, k_head_stride,
-                      k_row_stride, mask_stride, scale, nodes, out_head, out_group, out_node, D: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, TMA: tl.constexpr,
-                      BOUNDED: tl.constexpr, PDL: tl.constexpr):
-    """Program (row block, K/V head, split). Q [Hkv, R, D]; K / V rows at head * k_head_stride +
-    key * k_row_stride; MASK [R, C] additive, read only from the pass's first slot SLOTS[0] on (the
-    committed past before it is visible to every row); keys past SLOTS[last] are not read. Row
-    r = i * nodes + t of head h goes to OUT + h * out_head + i * out_group + t * out_node (``_out_rows``).
-    With SPLITS > 1: PARTIAL [SPLITS, Hkv, R, D] unnormalised float32 sums, STATS [SPLITS, Hkv, R, 2]
-    (max, sum). TMA: whole K/V tiles come by the tensor descriptors K_DESC / V_DESC (Hopper on), the
-    last part-tile of the keys by block pointers. BOUNDED: ENDS [nodes] holds one past the last key nodes
-    0..t see (a running maximum), and the program reads keys only up to its last node's (before the
-    split)."""
-    wait_for_inputs(PDL)
-    block = tl.program_id(0)
-    head = tl.program_id(1)
-    split = tl.program_id(2)
-    heads = tl.num_programs(1)
-    past = tl.load(SLOTS).to(tl.int32)  # the committed length
-    end = (tl.load(SLOTS + last) + 1).to(tl.int32)  # keys 0..end-1: the committed past and this pass
-    if BOUNDED:  # the keys after the block's last node's end are masked for all its rows: not read
+def _block_end(ENDS, block, rows, nodes, end, BM: tl.constexpr, BOUNDED: tl.constexpr):
+    """One past the last key row block ``block`` (a scalar, or a vector of blocks) reads: the pass's
+    ``end``, or with BOUNDED its last node's end (keys after it are masked for all its rows); a block
+    holding rows of two query heads reads up to the last node's."""
+    if BOUNDED:
         first_row, last_row = block * BM, tl.minimum(block * BM + BM, rows) - 1
-        wraps = first_row // nodes != last_row // nodes  # rows of two query heads: nodes up to the last
+        wraps = first_row // nodes != last_row // nodes
         end = tl.minimum(end, tl.load(ENDS + tl.where(wraps, nodes - 1, last_row % nodes)))
-    share = tl.cdiv(tl.cdiv(end, SPLITS), BN) * BN
-    lo = split * share
-    hi = tl.minimum(end, lo + share)
+    return end
+
+
+@triton.jit
+def _attend_keys(Q, K, V, K_DESC, V_DESC, MASK, block, head, rows, lo, hi, past, k_head_stride, k_row_stride,
+                 mask_stride, scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, TMA: tl.constexpr):
+    """The online softmax (best [BM], total [BM], acc [BM, D], unnormalised) of row block ``block`` of
+    K/V head ``head`` over keys lo..hi-1 (lo a multiple of BN): whole tiles of the committed past (keys
+    before ``past``) without the mask, the rest with it."""
     unmasked = lo + tl.maximum(0, tl.minimum(hi, past) - lo) // BN * BN  # whole tiles of the past: no mask
     # TMA reads whole tiles up to ``whole``, the part-tile before hi after the loop (block pointers: every
     # tile in the loop, their rows from hi on read as zeros)
@@ -144,43 +136,126 @@ def _attention_kernel(Q, K, V, K_DESC, V_DESC, MASK, SLOTS, ENDS, OUT, PARTIAL, 
         value = _tile(values, V_DESC, head, whole, BN, D, False)
         mask = tl.load(masks, boundary_check=(0, 1), padding_option="zero")
         best, total, acc = _step(query, key, value, mask, best, total, acc, whole, hi, scale, BN, True)
-    r = block * BM + tl.arange(0, BM)
-    d = tl.arange(0, D)
-    in_rows = r < rows
-    if SPLITS == 1:
-        at = _out_rows(head, r, nodes, out_head, out_group, out_node)
-        tl.store(OUT + at[:, None] + d[None, :], (acc / total[:, None]).to(OUT.dtype.element_ty),
-                 mask=in_rows[:, None])
-    else:
-        at = (split * heads + head) * rows + r
-        tl.store(PARTIAL + at[:, None] * D + d[None, :], acc, mask=in_rows[:, None])
-        tl.store(STATS + at * 2, best, mask=in_rows)
-        tl.store(STATS + at * 2 + 1, total, mask=in_rows)
+    return best, total, acc
 
 
 @triton.jit
-def _merge_kernel(PARTIAL, STATS, OUT, count, rows, nodes, out_head, out_group, out_node, D: tl.constexpr,
-                  SPLITS: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr):
+def _store_partial(PARTIAL, STATS, at, in_rows, best, total, acc, D: tl.constexpr):
+    """One program's unnormalised sums of its rows ``at`` (indices of [parts, Hkv, R] rows) for the merge."""
+    tl.store(PARTIAL + at[:, None] * D + tl.arange(0, D)[None, :], acc, mask=in_rows[:, None])
+    tl.store(STATS + at * 2, best, mask=in_rows)
+    tl.store(STATS + at * 2 + 1, total, mask=in_rows)
+
+
+@triton.jit
+def _attention_kernel(Q, K, V, K_DESC, V_DESC, MASK, SLOTS, ENDS, OUT, PARTIAL, STATS, rows, last, k_head_stride,
+                      k_row_stride, mask_stride, scale, nodes, out_head, out_group, out_node, D: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, TMA: tl.constexpr,
+                      BOUNDED: tl.constexpr, PDL: tl.constexpr):
+    """Program (row block, K/V head, split). Q [Hkv, R, D]; K / V rows at head * k_head_stride +
+    key * k_row_stride; MASK [R, C] additive, read only from the pass's first slot SLOTS[0] on (the
+    committed past before it is visible to every row); keys past SLOTS[last] are not read. Row
+    r = i * nodes + t of head h goes to OUT + h * out_head + i * out_group + t * out_node (``_out_rows``).
+    With SPLITS > 1: PARTIAL [SPLITS, Hkv, R, D] unnormalised float32 sums, STATS [SPLITS, Hkv, R, 2]
+    (max, sum). TMA: whole K/V tiles come by the tensor descriptors K_DESC / V_DESC (Hopper on), the
+    last part-tile of the keys by block pointers. BOUNDED: ENDS [nodes] holds one past the last key nodes
+    0..t see (a running maximum), and the program reads keys only up to its last node's (before the
+    split)."""
+    wait_for_inputs(PDL)
+    block = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    heads = tl.num_programs(1)
+    past = tl.load(SLOTS).to(tl.int32)  # the committed length
+    end = (tl.load(SLOTS + last) + 1).to(tl.int32)  # keys 0..end-1: the committed past and this pass
+    end = _block_end(ENDS, block, rows, nodes, end, BM, BOUNDED)
+    share = tl.cdiv(tl.cdiv(end, SPLITS), BN) * BN
+    lo = split * share
+    hi = tl.minimum(end, lo + share)
+    best, total, acc = _attend_keys(Q, K, V, K_DESC, V_DESC, MASK, block, head, rows, lo, hi, past, k_head_stride,
+                                    k_row_stride, mask_stride, scale, D, BM, BN, TMA)
+    r = block * BM + tl.arange(0, BM)
+    in_rows = r < rows
+    if SPLITS == 1:
+        at = _out_rows(head, r, nodes, out_head, out_group, out_node)
+        tl.store(OUT + at[:, None] + tl.arange(0, D)[None, :], (acc / total[:, None]).to(OUT.dtype.element_ty),
+                 mask=in_rows[:, None])
+    else:
+        _store_partial(PARTIAL, STATS, (split * heads + head) * rows + r, in_rows, best, total, acc, D)
+
+
+@triton.jit
+def _shared_kernel(Q, K, V, K_DESC, V_DESC, MASK, SLOTS, ENDS, PARTIAL, STATS, PARTS, rows, last, heads,
+                   k_head_stride, k_row_stride, mask_stride, scale, nodes, D: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr, MOST_PARTS: tl.constexpr, TMA: tl.constexpr, BOUNDED: tl.constexpr,
+                   PDL: tl.constexpr):
+    """Program p of the grid's P (at least one per item): the work of every item (row block, K/V head),
+    its L tiles of BN keys in order, items in order (block-major), cut into P equal shares (stream-K), and
+    share p of it. So every program reads as many tiles, where whole key splits per item would leave
+    part of the GPU idle or spill a few programs into a second round. Every item counts as the longest
+    (L tiles up to the pass's end): with BOUNDED a block's tiles after its last node's end are skipped,
+    and a share (at most L) then spans at most two items. An item's tiles go to consecutive programs;
+    part k of item j (from its k-th program) goes to PARTIAL / STATS [k, head, rows of the block], and
+    the program holding its first tile writes how many parts it has to PARTS[j]. The share is at least
+    L / (MOST_PARTS - 1), so no item has more than MOST_PARTS parts. The rest as ``_attention_kernel``."""
+    wait_for_inputs(PDL)
+    program = tl.program_id(0)
+    past = tl.load(SLOTS).to(tl.int32)
+    end = (tl.load(SLOTS + last) + 1).to(tl.int32)
+    tiles = tl.cdiv(end, BN)  # every item's L
+    units = tl.cdiv(rows, BM) * heads * tiles
+    share = tl.maximum(tl.cdiv(units, tl.num_programs(0)), tl.cdiv(tiles, MOST_PARTS - 1))
+    begin = program * share
+    stop = tl.minimum(begin + share, units)
+    # a static two: a loop around the key loops took 65 more registers a thread on sm_90
+    for segment in tl.static_range(2):
+        item = begin // tiles
+        item_first = item * tiles
+        segment_stop = tl.minimum(stop, item_first + tiles)
+        if begin < segment_stop:
+            block, head = item // heads, item % heads
+            hi = tl.minimum(_block_end(ENDS, block, rows, nodes, end, BM, BOUNDED), (segment_stop - item_first) * BN)
+            best, total, acc = _attend_keys(Q, K, V, K_DESC, V_DESC, MASK, block, head, rows, (begin - item_first) * BN,
+                                            hi, past, k_head_stride, k_row_stride, mask_stride, scale, D, BM, BN, TMA)
+            part = program - item_first // share
+            r = block * BM + tl.arange(0, BM)
+            _store_partial(PARTIAL, STATS, (part * heads + head) * rows + r, r < rows, best, total, acc, D)
+            tl.store(PARTS + item, (item_first + tiles - 1) // share - item_first // share + 1, mask=part == 0)
+        begin = segment_stop
+
+
+@triton.jit
+def _merge_kernel(PARTIAL, STATS, PARTS, OUT, count, rows, nodes, out_head, out_group, out_node, D: tl.constexpr,
+                  SPLITS: tl.constexpr, BR: tl.constexpr, BM: tl.constexpr, COUNTED: tl.constexpr, PDL: tl.constexpr):
     """Program (block of BR of the count = Hkv x R folded rows): OUT = the splits' PARTIAL sums, each
     weighted by exp(its max - the largest max), over the same weighting of their STATS sums, stored
     as ``_attention_kernel`` stores. The splits' loops are unrolled, so their loads are in flight
     together: a decode step's merge is a few rows, where one dependent load after another would be
-    its whole cost."""
+    its whole cost. COUNTED: a row's item (its block of BM rows, its K/V head) has PARTS[item] parts
+    (``_shared_kernel``), the rest of the SPLITS are not written; else every split is."""
     wait_for_inputs(PDL)
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     d = tl.arange(0, D)
     in_rows = r < count
+    head = r // rows
+    if COUNTED:
+        parts = tl.load(PARTS + (r - head * rows) // BM * (count // rows) + head, mask=in_rows, other=0)
+    else:
+        parts = tl.full((BR,), SPLITS, dtype=tl.int32)
     top = tl.full((BR,), float("-inf"), dtype=tl.float32)
     for split in tl.static_range(SPLITS):
-        top = tl.maximum(top, tl.load(STATS + (split * count + r) * 2, mask=in_rows, other=0.0))
+        here = in_rows & (split < parts)
+        top = tl.maximum(top, tl.load(STATS + (split * count + r) * 2, mask=here, other=float("-inf")))
+    top = tl.where(in_rows, top, 0.0)  # rows past count: finite, not stored
     acc = tl.zeros((BR, D), dtype=tl.float32)
     total = tl.zeros((BR,), dtype=tl.float32)
     for split in tl.static_range(SPLITS):
         at = split * count + r
-        weight = tl.exp(tl.load(STATS + at * 2, mask=in_rows, other=0.0) - top)  # a split that read no key: 0
-        total += weight * tl.load(STATS + at * 2 + 1, mask=in_rows, other=1.0)  # rows past count: finite, not stored
-        acc += weight[:, None] * tl.load(PARTIAL + at[:, None] * D + d[None, :], mask=in_rows[:, None], other=0.0)
-    head = r // rows
+        here = in_rows & (split < parts)
+        weight = tl.exp(tl.load(STATS + at * 2, mask=here, other=float("-inf")) - top)  # read no key, or no part: 0
+        total += weight * tl.load(STATS + at * 2 + 1, mask=here, other=0.0)
+        acc += weight[:, None] * tl.load(PARTIAL + at[:, None] * D + d[None, :], mask=here[:, None], other=0.0)
+    total = tl.where(in_rows, total, 1.0)
     at = _out_rows(head, r - head * rows, nodes, out_head, out_group, out_node)
     tl.store(OUT + at[:, None] + d[None, :], (acc / total[:, None]).to(OUT.dtype.element_ty), mask=in_rows[:, None])
 
@@ -294,10 +369,52 @@ def supports(query: torch.Tensor, key: torch.Tensor) -> bool:
             and _CHOSEN.get((str(query.device), dim, row_block(query.shape[1])), ()) is not None)
 
 
+# share each pass's (row block, K/V head, key tile) work evenly among one round of the programs the GPU
+# holds at once (``_shared_kernel``, stream-K) instead of splitting each block's keys into whole parts
+# (``split_count``): where whole splits leave part of the GPU idle (the 8B shape's 257-row pass: 2 splits,
+# 272 of 396 programs) or spill a few programs into a second round. Not yet timed on a GPU: off
+# (``benchmarks/attention_kernels.py --shared`` times both forms).
+SHARED = False
+
+
+@contextlib.contextmanager
+def sharing(on: bool) -> Iterator[None]:
+    """Inside: passes share their work among one round of resident programs (``on``) or split their
+    keys (False) when neither ``splits`` nor ``programs`` is given."""
+    global SHARED
+    saved, SHARED = SHARED, on
+    try:
+        yield
+    finally:
+        SHARED = saved
+
+
+def division(blocks: int, heads: int, rows: int, resident: int, sms: int, splits: int | None = None,
+             programs: int | None = None) -> tuple[int | None, int]:
+    """How a pass of ``rows`` folded rows in ``blocks`` row blocks x ``heads`` K/V heads divides its work on a
+    GPU of ``sms`` multiprocessors that holds ``resident`` programs at once: (the programs that share it,
+    the most parts an item is cut into) or (None, the key splits). Shared among ``programs`` (at least one
+    an item: a share then spans at most two), or among ``resident`` where ``SHARED``, no ``splits`` are
+    given and there are fewer items than that (else each program would hold one item, as one split does,
+    and still write partial sums). Evenly shared, an item's tiles span at most programs / items + 1
+    programs; at most ``MAX_KEY_SPLITS`` parts and, unless ``programs`` are given, the memory plan's bound
+    on the partial sums (4 x multiprocessors x ``ROW_BLOCK`` rows, as ``split_count`` keeps). Below 2
+    parts: key splits."""
+    items = blocks * heads
+    sharers = programs if programs is not None else resident if SHARED and splits is None and items < resident else None
+    if sharers is not None:
+        sharers = max(sharers, items)
+        most = MAX_KEY_SPLITS if programs is not None else 4 * sms * ROW_BLOCK // (heads * rows)
+        parts = min(MAX_KEY_SPLITS, -(-sharers // items) + 1, most)
+        if parts >= 2:
+            return sharers, parts
+    return None, splits or split_count(items, resident, sms)
+
+
 def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                  slots: torch.Tensor, scale: float, splits: int | None = None,
                  rows_per_program: int | None = None, nodes: int | None = None,
-                 ends: torch.Tensor | None = None) -> torch.Tensor | None:
+                 ends: torch.Tensor | None = None, programs: int | None = None) -> torch.Tensor | None:
     """Softmax attention of folded rows query [Hkv, R, D] over key/value [Hkv, C, D] (rows contiguous,
     K and V of the same strides) with the additive mask [R, C], reading keys up to the last of
     ``slots`` (the pass's K/V slots; every later key must be masked) -> [Hkv, R, D], or with
@@ -307,9 +424,11 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     program stop at its last node's: a prompt chunk's causal triangle is not read. The keys
     before the first slot (the committed past) must be visible to every row: the mask is read from
     there on. ``splits``: of the keys (None: ``split_count``'s, by how many programs the GPU holds at
-    once; ``benchmarks/attention_kernels.py --grid`` times others);
-    ``rows_per_program``: None, as TILES say (the benchmarks set it). None (and
-    ``supports`` false from then on) if this GPU lacks the shared memory for every choice of TILES."""
+    once; ``benchmarks/attention_kernels.py --grid`` times others); ``programs``: instead, that many
+    programs share the work (``_shared_kernel``; None: one round of resident programs where ``SHARED``
+    and no ``splits`` are given, else splits); ``rows_per_program``: None, as TILES say (the benchmarks
+    set it). None (and ``supports`` false from then on) if this GPU lacks the shared memory for every
+    choice of TILES."""
     heads, rows, dim = query.shape
     if ends is not None and nodes is None:
         raise ValueError("attend_until: ends are per node; give nodes too")
@@ -325,27 +444,31 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
         groups = rows // nodes
         out = torch.empty(nodes, heads * groups * dim, dtype=query.dtype, device=query.device)
         layout = (nodes, groups * dim, dim, heads * groups * dim)
+    sms = multiprocessors(query.device)
     for tiles in (_CHOSEN[chosen],) if chosen in _CHOSEN else tiles_for(dim):
         most, keys, warps, stages = tiles
         block_rows = rows_per_program or row_block(rows, most)
         blocks = triton.cdiv(rows, block_rows)
-        key_splits = splits
-        if key_splits is None:
-            sms = multiprocessors(query.device)
-            resident = resident_programs(query.device, block_rows, keys, stages, dim) * sms
-            key_splits = split_count(blocks * heads, resident, sms)
-        partial = stats = out
+        resident = resident_programs(query.device, block_rows, keys, stages, dim) * sms
+        sharers, key_splits = division(blocks, heads, rows, resident, sms, splits, programs)
+        partial = stats = parts = out
         if key_splits > 1:
             partial = torch.empty(key_splits, heads, rows, dim, dtype=torch.float32, device=query.device)
             stats = torch.empty(key_splits, heads, rows, 2, dtype=torch.float32, device=query.device)
         descriptors = _descriptors(key, value, keys, rows)
+        common = dict(D=dim, BM=block_rows, BN=keys, TMA=descriptors is not None, BOUNDED=ends is not None,
+                      num_warps=warps, num_stages=stages, **launch_options(out.device))
+        inputs = (query, key, value, *(descriptors or (key, value)), mask, slots, slots if ends is None else ends)
         try:
-            _attention_kernel[(blocks, heads, key_splits)](
-                query, key, value, *(descriptors or (key, value)), mask, slots, slots if ends is None else ends,
-                out, partial, stats, rows, slots.shape[0] - 1, key.stride(0), key.stride(1), mask.stride(0), scale,
-                *layout, D=dim, BM=block_rows, BN=keys, SPLITS=key_splits, TMA=descriptors is not None,
-                BOUNDED=ends is not None, num_warps=warps, num_stages=stages, **launch_options(out.device),
-            )
+            if sharers is not None:
+                parts = torch.empty(blocks * heads, dtype=torch.int32, device=query.device)
+                _shared_kernel[(sharers,)](
+                    *inputs, partial, stats, parts, rows, slots.shape[0] - 1, heads, key.stride(0), key.stride(1),
+                    mask.stride(0), scale, layout[0], MOST_PARTS=key_splits, **common)
+            else:
+                _attention_kernel[(blocks, heads, key_splits)](
+                    *inputs, out, partial, stats, rows, slots.shape[0] - 1, key.stride(0), key.stride(1),
+                    mask.stride(0), scale, *layout, SPLITS=key_splits, **common)
         except OutOfResources:  # raised when compiling, before any launch: the next tiles
             continue
         _CHOSEN[chosen] = tiles
@@ -355,9 +478,9 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
         return None
     if key_splits > 1:  # rows per program: enough programs for every multiprocessor, up to MERGE_ELEMENTS
         count = heads * rows
-        merge_rows = max(MERGE_MIN_ROWS, min(MERGE_ELEMENTS // dim,
-                                             triton.next_power_of_2(triton.cdiv(count, multiprocessors(query.device)))))
-        _merge_kernel[(triton.cdiv(count, merge_rows),)](partial, stats, out, count, rows, *layout, D=dim,
-                                                         SPLITS=key_splits, BR=merge_rows, num_warps=4,
+        merge_rows = max(MERGE_MIN_ROWS, min(MERGE_ELEMENTS // dim, triton.next_power_of_2(triton.cdiv(count, sms))))
+        _merge_kernel[(triton.cdiv(count, merge_rows),)](partial, stats, parts, out, count, rows, *layout, D=dim,
+                                                         SPLITS=key_splits, BR=merge_rows, BM=block_rows,
+                                                         COUNTED=sharers is not None, num_warps=4,
                                                          **launch_options(out.device))
     return out

@@ -46,6 +46,10 @@ def test_triton_attention_equals_sdpa_and_stops_at_the_last_slot(dtype, heads, g
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
         assert ((got - want).norm() / want.norm()).item() < 5e-3
         results[splits] = got
+    for programs in (7, 500):  # the work shared: raised to one program an item; more programs than tiles
+        got = attend_until(query, key, value, mask, slots, dim**-0.5, programs=programs).float()
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+        assert ((got - want).norm() / want.norm()).item() < 5e-3
     # the route the fused layers take: attend_folded with the slots, in o_proj's layout [q, Hq*D]
     routed = attend_folded(query, key, value, mask, dim**-0.5, slots=slots, nodes=q).float()
     assert torch.equal(routed, results[None].reshape(heads * groups, q, dim).transpose(0, 1).reshape(q, -1))
@@ -54,6 +58,10 @@ def test_triton_attention_equals_sdpa_and_stops_at_the_last_slot(dtype, heads, g
     by_node = want.reshape(heads * groups, q, dim).transpose(0, 1).reshape(q, -1)
     torch.testing.assert_close(bounded, by_node, atol=2e-2, rtol=2e-2)
     assert ((bounded - by_node).norm() / by_node.norm()).item() < 5e-3
+    with attention_triton.sharing(True):  # among one round of resident programs, as passes would run it
+        shared = attend_folded(query, key, value, mask, dim**-0.5, slots=slots, nodes=q, ends=ends).float()
+    torch.testing.assert_close(shared, by_node, atol=2e-2, rtol=2e-2)
+    assert ((shared - by_node).norm() / by_node.norm()).item() < 5e-3
 
 
 @pytest.mark.parametrize(("heads", "groups", "dim"), [(8, 4, 128), (4, 6, 256)])
@@ -105,3 +113,38 @@ def test_tiles_too_large_for_the_gpu_fall_back_to_the_next_tiles(monkeypatch):
     got = attention_triton.attend_until(query, key, value, mask, slots, 128**-0.5)
     assert got is not None and attention_triton._CHOSEN == {(str(query.device), 128, 128): (64, 32, 4, 2)}
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(("heads", "groups", "dim"), [(8, 4, 128), (4, 6, 256)])
+@torch.inference_mode()
+def test_the_shared_work_replays_at_another_length(heads, groups, dim):
+    """The work shared among resident programs, captured in a CUDA graph after 300 committed tokens and
+    replayed after 1100 (the slots, ends, mask and K/V moved on in place; keys after the pass NaN): the
+    shares are worked out on the device, so the replay gives the bits of an eager call at the new length
+    (Qwen3-8B's and Qwen3.6-27B's head layouts, 257 nodes)."""
+    from workers.models import attention_triton
+
+    q, capacity = 257, 2048
+    first, later = (pass_inputs(heads, groups, q, capacity, length, dim, torch.bfloat16, length, ends=True)
+                    for length in (300, 1100))
+    static = [tensor.clone() for tensor in first]
+
+    def call():
+        query, key, value, mask, slots, ends = static
+        return attention_triton.attend_until(query, key, value, mask, slots, dim**-0.5, nodes=q, ends=ends)
+
+    with attention_triton.sharing(True):
+        call()  # compiled before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call()
+        for tensor, value in zip(static, later):
+            tensor.copy_(value)
+        graph.replay()
+        eager = call()
+    assert torch.equal(out, eager)
+    end = 1100 + q
+    query, key, value, mask = later[:4]
+    want = attend_folded(query, key[:, :end], value[:, :end], mask[:, :end], dim**-0.5).float()
+    want = want.reshape(heads * groups, q, dim).transpose(0, 1).reshape(q, -1)
+    assert ((out.float() - want).norm() / want.norm()).item() < 5e-3

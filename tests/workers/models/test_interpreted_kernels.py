@@ -114,6 +114,60 @@ def test_the_attention_kernel_equals_the_torch_attention(heads, groups, q, capac
         assert relative(short, want_by_node) > 1e-2
 
 
+@pytest.mark.parametrize(("heads", "groups", "q", "capacity", "length", "dim", "causal"),
+                         [(2, 3, 30, 200, 100, 32, False), (2, 1, 257, 700, 0, 16, False),
+                          (1, 2, 160, 300, 0, 32, True)])
+@pytest.mark.parametrize("by_descriptor", [True, False])
+@torch.inference_mode()
+def test_the_shared_work_equals_the_torch_attention(heads, groups, q, capacity, length, dim, causal, by_descriptor,
+                                                    monkeypatch):
+    """attend_until with ``programs`` sharing the (row block, K/V head, key tile) work (stream-K): from one
+    program doing it all to more programs than tiles, each item's parts merged by the count its first
+    program writes; plain and in o_proj's layout with each node's ``ends`` (items of different lengths: a
+    prompt chunk's causal triangle), against float32 attention over exactly the visible keys (keys after
+    the pass are NaN). ``sharing`` routes a call without ``splits`` through it."""
+    from workers.models import attention_triton
+    from workers.models.attention import attend_folded
+    from workers.models.attention_triton import attend_until, sharing
+
+    monkeypatch.setattr(attention_triton, "BY_DESCRIPTOR", by_descriptor)
+    query, key, value, mask, slots, ends = attention_pass_inputs(heads, groups, q, capacity, length, dim,
+                                                                 torch.float16, q, "cpu", causal, ends=True)
+    end = length + q
+    want = attend_folded(query.float(), key[:, :end].float(), value[:, :end].float(), mask[:, :end].float(),
+                         dim**-0.5)
+    want_by_node = want.reshape(heads * groups, q, dim).transpose(0, 1).reshape(q, heads * groups * dim)
+    for programs in (1, 5, 13, 40):
+        got = attend_until(query, key, value, mask, slots, dim**-0.5, programs=programs)
+        assert torch.isfinite(got).all() and relative(got, want) < 2e-3
+        bounded = attend_until(query, key, value, mask, slots, dim**-0.5, nodes=q, ends=ends, programs=programs)
+        assert relative(bounded, want_by_node) < 2e-3
+    # a GPU of 64 multiprocessors, one program each (Triton's interpreter runs what it is given)
+    monkeypatch.setattr(attention_triton, "multiprocessors", lambda device: 64)
+    with sharing(True):
+        assert torch.equal(attend_until(query, key, value, mask, slots, dim**-0.5),
+                           attend_until(query, key, value, mask, slots, dim**-0.5, programs=64))
+
+
+def test_how_the_work_is_divided(monkeypatch):
+    """``division`` at an H200's widths: key splits unless ``SHARED`` (or ``programs``); shared, an item's
+    tiles span at most programs / items + 1 programs, with at least one program an item; the memory
+    plan's bound and ``MAX_KEY_SPLITS`` cap the parts (below 2: key splits again)."""
+    from workers.models import attention_triton
+    from workers.models.attention_triton import division
+    from workers.models.kernels import MAX_KEY_SPLITS
+
+    assert division(17, 8, 1028, 396, 132) == (None, 2)  # the 8B shape's 257-row pass: 3 programs an SM
+    assert division(17, 8, 1028, 396, 132, programs=100) == (136, 2)
+    assert division(17, 8, 1028, 396, 132, programs=5000) == (5000, MAX_KEY_SPLITS)
+    monkeypatch.setattr(attention_triton, "SHARED", True)
+    assert division(17, 8, 1028, 396, 132) == (396, 4)
+    assert division(13, 4, 1542, 132, 132) == (132, 4)  # the 27B shape's: one 128-row program an SM
+    assert division(17, 8, 1028, 396, 132, splits=3) == (None, 3)
+    assert division(64, 8, 4096, 396, 132) == (None, 1)  # a prompt chunk: more items than resident programs
+    assert division(64, 8, 4096, 1000, 2) == (None, 1)  # the partial sums' bound leaves no room
+
+
 @pytest.mark.parametrize(("q", "groups", "dim", "tma"),
                          [(1, 4, 128, False), (4, 4, 128, False), (17, 4, 128, False), (65, 4, 128, True),
                           (257, 4, 128, True), (1024, 4, 128, True), (1, 6, 256, True), (17, 6, 256, True),
