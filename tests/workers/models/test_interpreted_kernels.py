@@ -70,6 +70,20 @@ def test_the_tree_kernel_equals_the_torch_tree_form(q, depth, dk, dv):
     assert relative(normed, gated_norm(want, z, weight, 1e-6, torch.float32)) < 1e-5
 
 
+def attention_case(heads, groups, q, capacity, length, dim, causal):
+    """A pass's float16 attention inputs on the CPU (``attention_pass_inputs`` with each node's ends), and
+    float32 attention over exactly its visible keys: [Hkv, g*q, D] and in o_proj's layout [q, Hq*D] (each
+    node's query heads side by side)."""
+    from workers.models.attention import attend_folded
+
+    inputs = attention_pass_inputs(heads, groups, q, capacity, length, dim, torch.float16, q, "cpu", causal, ends=True)
+    query, key, value, mask = inputs[:4]
+    end = length + q
+    want = attend_folded(query.float(), key[:, :end].float(), value[:, :end].float(), mask[:, :end].float(),
+                         dim**-0.5)
+    return inputs, want, want.reshape(heads * groups, q, dim).transpose(0, 1).reshape(q, heads * groups * dim)
+
+
 @pytest.mark.parametrize(("heads", "groups", "q", "capacity", "length", "dim", "causal"),
                          [(2, 3, 30, 200, 100, 32, False), (1, 4, 129, 1300, 1024, 32, False),
                           (2, 1, 257, 700, 0, 16, False), (2, 2, 1, 300, 200, 32, False),
@@ -85,18 +99,11 @@ def test_the_attention_kernel_equals_the_torch_attention(heads, groups, q, capac
     stops at its furthest key: the same output (bit for bit unsplit: the keys left out are masked for
     every row of the block), and another with ends that leave visible keys out (so they are read)."""
     from workers.models import attention_triton
-    from workers.models.attention import attend_folded
     from workers.models.attention_triton import attend_until
 
     monkeypatch.setattr(attention_triton, "BY_DESCRIPTOR", by_descriptor)
-
-    query, key, value, mask, slots, ends = attention_pass_inputs(heads, groups, q, capacity, length, dim,
-                                                                 torch.float16, q, "cpu", causal, ends=True)
-    end = length + q
-    want = attend_folded(query.float(), key[:, :end].float(), value[:, :end].float(), mask[:, :end].float(),
-                         dim**-0.5)
-    # o_proj's layout: [q, Hq*D], each node's query heads side by side
-    want_by_node = want.reshape(heads * groups, q, dim).transpose(0, 1).reshape(q, heads * groups * dim)
+    (query, key, value, mask, slots, ends), want, want_by_node = attention_case(heads, groups, q, capacity, length,
+                                                                                dim, causal)
     for splits in (1, 3, 8):
         got = attend_until(query, key, value, mask, slots, dim**-0.5, splits)
         assert got.dtype == torch.float16 and torch.isfinite(got).all()
@@ -123,20 +130,15 @@ def test_the_shared_work_equals_the_torch_attention(heads, groups, q, capacity, 
                                                     monkeypatch):
     """attend_until with ``programs`` sharing the (row block, K/V head, key tile) work (stream-K): from one
     program doing it all to more programs than tiles, each item's parts merged by the count its first
-    program writes; plain and in o_proj's layout with each node's ``ends`` (items of different lengths: a
-    prompt chunk's causal triangle), against float32 attention over exactly the visible keys (keys after
+    program writes; plain and in o_proj's layout with each node's ``ends`` (blocks that end at different
+    keys: a prompt chunk's causal triangle), against float32 attention over exactly the visible keys (keys after
     the pass are NaN). ``sharing`` routes a call without ``splits`` through it."""
     from workers.models import attention_triton
-    from workers.models.attention import attend_folded
     from workers.models.attention_triton import attend_until, sharing
 
     monkeypatch.setattr(attention_triton, "BY_DESCRIPTOR", by_descriptor)
-    query, key, value, mask, slots, ends = attention_pass_inputs(heads, groups, q, capacity, length, dim,
-                                                                 torch.float16, q, "cpu", causal, ends=True)
-    end = length + q
-    want = attend_folded(query.float(), key[:, :end].float(), value[:, :end].float(), mask[:, :end].float(),
-                         dim**-0.5)
-    want_by_node = want.reshape(heads * groups, q, dim).transpose(0, 1).reshape(q, heads * groups * dim)
+    (query, key, value, mask, slots, ends), want, want_by_node = attention_case(heads, groups, q, capacity, length,
+                                                                                dim, causal)
     for programs in (1, 5, 13, 40):
         got = attend_until(query, key, value, mask, slots, dim**-0.5, programs=programs)
         assert torch.isfinite(got).all() and relative(got, want) < 2e-3
