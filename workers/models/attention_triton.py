@@ -187,14 +187,15 @@ def _attention_kernel(Q, K, V, K_DESC, V_DESC, MASK, SLOTS, ENDS, OUT, PARTIAL, 
 @triton.jit
 def _shared_kernel(Q, K, V, K_DESC, V_DESC, MASK, SLOTS, ENDS, PARTIAL, STATS, PARTS, rows, last, heads,
                    k_head_stride, k_row_stride, mask_stride, scale, nodes, D: tl.constexpr, BM: tl.constexpr,
-                   BN: tl.constexpr, MOST_PARTS: tl.constexpr, TMA: tl.constexpr, BOUNDED: tl.constexpr,
-                   PDL: tl.constexpr):
-    """Program p of the grid's P (at least one per item): the work of every item (row block, K/V head),
+                   BN: tl.constexpr, MOST_PARTS: tl.constexpr, SEGMENTS: tl.constexpr, TMA: tl.constexpr,
+                   BOUNDED: tl.constexpr, PDL: tl.constexpr):
+    """Program p of the grid's P: the work of every item (row block, K/V head),
     its L tiles of BN keys in order, items in order (block-major), cut into P equal shares (stream-K), and
     share p of it. So every program reads as many tiles, where whole key splits per item would leave
     part of the GPU idle or spill a few programs into a second round. Every item counts as the longest
     (L tiles up to the pass's end): with BOUNDED a block's tiles after its last node's end are skipped,
-    and a share (at most L) then spans at most two items. An item's tiles go to consecutive programs;
+    and a share (at most ceil(items / P) x L) spans at most SEGMENTS = ceil(items / P) + 1 items, each a
+    segment of the program's, unrolled. An item's tiles go to consecutive programs;
     part k of item j (from its k-th program) goes to PARTIAL / STATS [k, head, rows of the block], and
     the program holding its first tile writes how many parts it has to PARTS[j]. The share is at least
     L / (MOST_PARTS - 1), so no item has more than MOST_PARTS parts. The rest as ``_attention_kernel``."""
@@ -207,8 +208,8 @@ def _shared_kernel(Q, K, V, K_DESC, V_DESC, MASK, SLOTS, ENDS, PARTIAL, STATS, P
     share = tl.maximum(tl.cdiv(units, tl.num_programs(0)), tl.cdiv(tiles, MOST_PARTS - 1))
     begin = program * share
     stop = tl.minimum(begin + share, units)
-    # a static two: a loop around the key loops took 65 more registers a thread on sm_90
-    for segment in tl.static_range(2):
+    # unrolled: a loop around the key loops took 65 more registers a thread on sm_90
+    for segment in tl.static_range(SEGMENTS):
         item = begin // tiles
         item_first = item * tiles
         segment_stop = tl.minimum(stop, item_first + tiles)
@@ -372,9 +373,10 @@ def supports(query: torch.Tensor, key: torch.Tensor) -> bool:
 # share each pass's (row block, K/V head, key tile) work evenly among one round of the programs the GPU
 # holds at once (``_shared_kernel``, stream-K) instead of splitting each block's keys into whole parts
 # (``split_count``): where whole splits leave part of the GPU idle (the 8B shape's 257-row pass: 2 splits,
-# 272 of 396 programs) or spill a few programs into a second round. Not yet timed on a GPU: off
-# (``benchmarks/attention_kernels.py --shared`` times both forms).
+# 272 of 396 programs) or take a second round for a few programs (items outnumbering the resident
+# programs). Not yet timed on a GPU: off (``benchmarks/attention_kernels.py --shared`` times both forms).
 SHARED = False
+MOST_SEGMENTS = 4  # the most items one program of the shared form holds parts of (its key loops are unrolled)
 
 
 @contextlib.contextmanager
@@ -393,17 +395,16 @@ def division(blocks: int, heads: int, rows: int, resident: int, sms: int, splits
              programs: int | None = None) -> tuple[int | None, int]:
     """How a pass of ``rows`` folded rows in ``blocks`` row blocks x ``heads`` K/V heads divides its work on a
     GPU of ``sms`` multiprocessors that holds ``resident`` programs at once: (the programs that share it,
-    the most parts an item is cut into) or (None, the key splits). Shared among ``programs`` (at least one
-    an item: a share then spans at most two), or among ``resident`` where ``SHARED``, no ``splits`` are
-    given and there are fewer items than that (else each program would hold one item, as one split does,
-    and still write partial sums). Evenly shared, an item's tiles span at most programs / items + 1
-    programs; at most ``MAX_KEY_SPLITS`` parts and, unless ``programs`` are given, the memory plan's bound
-    on the partial sums (4 x multiprocessors x ``ROW_BLOCK`` rows, as ``split_count`` keeps). Below 2
-    parts: key splits."""
+    the most parts an item is cut into) or (None, the key splits). Shared among ``programs``, or among
+    ``resident`` where ``SHARED`` and no ``splits`` are given; at least a third of the items' count (a
+    program then holds parts of at most MOST_SEGMENTS items). Evenly shared, an item's tiles span at most
+    programs / items + 1 programs; at most ``MAX_KEY_SPLITS`` parts and, unless ``programs`` are given, the
+    memory plan's bound on the partial sums (4 x multiprocessors x ``ROW_BLOCK`` rows, as ``split_count``
+    keeps). Below 2 parts: key splits."""
     items = blocks * heads
-    sharers = programs if programs is not None else resident if SHARED and splits is None and items < resident else None
+    sharers = programs if programs is not None else resident if SHARED and splits is None else None
     if sharers is not None:
-        sharers = max(sharers, items)
+        sharers = max(sharers, -(-items // (MOST_SEGMENTS - 1)))
         most = MAX_KEY_SPLITS if programs is not None else 4 * sms * ROW_BLOCK // (heads * rows)
         parts = min(MAX_KEY_SPLITS, -(-sharers // items) + 1, most)
         if parts >= 2:
@@ -464,7 +465,8 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
                 parts = torch.empty(blocks * heads, dtype=torch.int32, device=query.device)
                 _shared_kernel[(sharers,)](
                     *inputs, partial, stats, parts, rows, slots.shape[0] - 1, heads, key.stride(0), key.stride(1),
-                    mask.stride(0), scale, layout[0], MOST_PARTS=key_splits, **common)
+                    mask.stride(0), scale, layout[0], MOST_PARTS=key_splits,
+                    SEGMENTS=-(-blocks * heads // sharers) + 1, **common)
             else:
                 _attention_kernel[(blocks, heads, key_splits)](
                     *inputs, out, partial, stats, rows, slots.shape[0] - 1, key.stride(0), key.stride(1),

@@ -46,7 +46,7 @@ def test_triton_attention_equals_sdpa_and_stops_at_the_last_slot(dtype, heads, g
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
         assert ((got - want).norm() / want.norm()).item() < 5e-3
         results[splits] = got
-    for programs in (7, 500):  # the work shared: raised to one program an item; more programs than tiles
+    for programs in (7, 500):  # the work shared: a program holding parts of up to 4 items; more than tiles
         got = attend_until(query, key, value, mask, slots, dim**-0.5, programs=programs).float()
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
         assert ((got - want).norm() / want.norm()).item() < 5e-3

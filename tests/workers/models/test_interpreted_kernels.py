@@ -128,11 +128,12 @@ def test_the_attention_kernel_equals_the_torch_attention(heads, groups, q, capac
 @torch.inference_mode()
 def test_the_shared_work_equals_the_torch_attention(heads, groups, q, capacity, length, dim, causal, by_descriptor,
                                                     monkeypatch):
-    """attend_until with ``programs`` sharing the (row block, K/V head, key tile) work (stream-K): from one
-    program doing it all to more programs than tiles, each item's parts merged by the count its first
-    program writes; plain and in o_proj's layout with each node's ``ends`` (blocks that end at different
-    keys: a prompt chunk's causal triangle), against float32 attention over exactly the visible keys (keys after
-    the pass are NaN). ``sharing`` routes a call without ``splits`` through it."""
+    """attend_until with ``programs`` sharing the (row block, K/V head, key tile) work (stream-K): from a
+    third of the items' count (a program holding parts of up to four items) to more programs than tiles,
+    each item's parts merged by the count its first program writes; plain and in o_proj's layout with each
+    node's ``ends`` (blocks that end at different keys: a prompt chunk's causal triangle), against float32
+    attention over exactly the visible keys (keys after the pass are NaN). ``sharing`` routes a call
+    without ``splits`` through it."""
     from workers.models import attention_triton
     from workers.models.attention_triton import attend_until, sharing
 
@@ -153,20 +154,21 @@ def test_the_shared_work_equals_the_torch_attention(heads, groups, q, capacity, 
 
 def test_how_the_work_is_divided(monkeypatch):
     """``division`` at an H200's widths: key splits unless ``SHARED`` (or ``programs``); shared, an item's
-    tiles span at most programs / items + 1 programs, with at least one program an item; the memory
-    plan's bound and ``MAX_KEY_SPLITS`` cap the parts (below 2: key splits again)."""
+    tiles span at most programs / items + 1 programs, with programs at least a third of the items; the
+    memory plan's bound and ``MAX_KEY_SPLITS`` cap the parts (below 2: key splits again)."""
     from workers.models import attention_triton
     from workers.models.attention_triton import division
     from workers.models.kernels import MAX_KEY_SPLITS
 
     assert division(17, 8, 1028, 396, 132) == (None, 2)  # the 8B shape's 257-row pass: 3 programs an SM
-    assert division(17, 8, 1028, 396, 132, programs=100) == (136, 2)
+    assert division(17, 8, 1028, 396, 132, programs=100) == (100, 2)  # a program holds parts of up to 3 items
+    assert division(17, 8, 1028, 396, 132, programs=10) == (46, 2)  # at least a third of the items
     assert division(17, 8, 1028, 396, 132, programs=5000) == (5000, MAX_KEY_SPLITS)
     monkeypatch.setattr(attention_triton, "SHARED", True)
     assert division(17, 8, 1028, 396, 132) == (396, 4)
     assert division(13, 4, 1542, 132, 132) == (132, 4)  # the 27B shape's: one 128-row program an SM
     assert division(17, 8, 1028, 396, 132, splits=3) == (None, 3)
-    assert division(64, 8, 4096, 396, 132) == (None, 1)  # a prompt chunk: more items than resident programs
+    assert division(64, 8, 4096, 396, 132) == (396, 2)  # a prompt chunk: more items than resident programs
     assert division(64, 8, 4096, 1000, 2) == (None, 1)  # the partial sums' bound leaves no room
 
 
