@@ -74,9 +74,9 @@ def library_lines(q, rows, query, key, value, mask, end, groups, dim) -> None:
                     by_head, *kv, attn_mask=attn_mask, scale=dim**-0.5, enable_gqa=kv[0].shape[1] != by_head.shape[1])
         try:
             call()
-            print(f"{q:>5} {rows:>5} {name:>34} {replay_us(call):7.1f}")
+            print(f"{q:>5} {rows:>5} {name:>46} {replay_us(call):7.1f}")
         except Exception as error:  # noqa: BLE001 - a backend that refuses the shape, the mask or the capture
-            print(f"{q:>5} {rows:>5} {name:>34} {'fails':>7}  {str(error).splitlines()[0][:80]}")
+            print(f"{q:>5} {rows:>5} {name:>46} {'fails':>7}  {str(error).splitlines()[0][:80]}")
 
 
 @torch.inference_mode()
@@ -114,7 +114,7 @@ def main() -> int:
     bandwidth = copy_bandwidth()
     print(f"{args.shape}: {kv_heads} K/V heads x {groups} query heads of {dim}, {args.length} committed tokens, "
           f"{args.capacity} slots; {torch.cuda.get_device_name()}; copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    print(f"{'q':>5} {'rows':>5} {'choice':>34} {'us':>7} {'error':>7}")
+    print(f"{'q':>5} {'rows':>5} {'choice':>46} {'us':>7} {'error':>7}")
     for q in (int(x) for x in args.qs.split(",")):
         query, key, value, mask, slots, ends = attention_pass_inputs(
             kv_heads, groups, q, args.capacity, args.length, dim, getattr(torch, args.dtype), q, causal=args.causal,
@@ -124,10 +124,10 @@ def main() -> int:
         want = attend_folded(query, key[:, :end], value[:, :end], mask[:, :end], dim**-0.5).float()
         rows = groups * q
         floor_us = 2 * key[:, :end].nbytes / bandwidth * 1e6  # K and V read once (bandwidth: bytes moved)
-        print(f"{q:>5} {rows:>5} {'K/V read floor':>34} {floor_us:7.1f}")
-        print(f"{q:>5} {rows:>5} {'no kernel, whole buffer':>34} "
+        print(f"{q:>5} {rows:>5} {'K/V read floor':>46} {floor_us:7.1f}")
+        print(f"{q:>5} {rows:>5} {'no kernel, whole buffer':>46} "
               f"{replay_us(lambda: attend_folded(query, key, value, mask, dim**-0.5)):7.1f}")
-        print(f"{q:>5} {rows:>5} {'no kernel, exact keys':>34} "
+        print(f"{q:>5} {rows:>5} {'no kernel, exact keys':>46} "
               f"{replay_us(lambda: attend_folded(query, key[:, :end], value[:, :end], mask[:, :end], dim**-0.5)):7.1f}")
         if args.libraries:
             library_lines(q, rows, query, key, value, mask, end, groups, dim)
@@ -158,15 +158,15 @@ def main() -> int:
                 try:
                     got = call()
                 except Exception as error:  # noqa: BLE001 - a choice that fails to compile here: the next
-                    print(f"{q:>5} {rows:>5} {name:>34} {'fails':>7}  {str(error).splitlines()[0][:80]}")
+                    print(f"{q:>5} {rows:>5} {name:>46} {'fails':>7}  {str(error).splitlines()[0][:80]}")
                     continue
                 if got is None:
-                    print(f"{q:>5} {rows:>5} {name:>34} {'no room':>7}")
+                    print(f"{q:>5} {rows:>5} {name:>46} {'no room':>7}")
                     continue
                 reference = by_node if bounded else want
                 error = ((got.float() - reference).norm() / reference.norm()).item()
                 name += " ends" if bounded else ""
-                print(f"{q:>5} {rows:>5} {name:>34} {replay_us(call):7.1f} {error:7.0e}")
+                print(f"{q:>5} {rows:>5} {name:>46} {replay_us(call):7.1f} {error:7.0e}")
     return 0
 
 

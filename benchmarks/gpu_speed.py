@@ -18,6 +18,7 @@ drafter (5 layers, block 16). Prints, last, one table:
 - last, issues 12 and 28's goals against what this run measured (those it measured), with, for the
   DDTree rounds, the least ratio this GPU allows (``least_round``; "out of reach" where it exceeds
   the goal), then what ``lt_product`` timed and chose per product shape (``--no-lt``: none of it).
+``--shared-attention`` runs the attention kernel's shared form (``attention_triton.SHARED``, off by default).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from workers.decoding.drafting import EagerDrafting, GraphDrafting, open_draftin
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import DFlashParams, TreeParams
 from workers.decoding.tree import build_tree, follow_tree
-from workers.models import lt_product, pdl_triton
+from workers.models import attention_triton, lt_product, pdl_triton
 from workers.models.kernels import dependent_launches
 from workers.models.runner.target import StaticTarget
 from workers.models.shapes import build_random_drafter, build_random_target
@@ -129,8 +130,11 @@ def main() -> int:
                              "benchmarks/wide_gemm.py), to time a pass with it")
     parser.add_argument("--no-lt", action="store_true",
                         help="torch's own products where workers.models.lt_product would time cuBLASLt's algorithms")
+    parser.add_argument("--shared-attention", action="store_true",
+                        help="the attention's work shared among one round of programs (attention_triton.SHARED)")
     args = parser.parse_args()
     lt_product.ENABLED = not args.no_lt
+    attention_triton.SHARED = args.shared_attention
     if args.wide_triton:
         from workers.models import wide_triton
 

@@ -22,6 +22,7 @@ import time
 import torch
 from gpu_speed import model_sizes, random_tree  # a sibling script: benchmarks/ is on sys.path
 
+from workers.models import attention_triton
 from workers.models.gdn import MAX_PATH
 from workers.models.runner.target import StaticTarget
 from workers.models.shapes import build_random_drafter, build_random_target
@@ -91,7 +92,10 @@ def main() -> int:
     parser.add_argument("--qs", default="17,257", help="verify widths: 17 or fewer a chain, more a tree")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--shared-attention", action="store_true",
+                        help="the attention's work shared among one round of programs (attention_triton.SHARED)")
     args = parser.parse_args()
+    attention_triton.SHARED = args.shared_attention
     device = torch.device("cuda")
     model = build_random_target(args.shape, torch.bfloat16, device)
     drafter = build_random_drafter(args.shape, model)
