@@ -88,9 +88,9 @@ def _tile(blocks, descriptor, head, start, BN: tl.constexpr, D: tl.constexpr, BY
 
 @triton.jit
 def _block_end(ENDS, block, rows, nodes, end, BM: tl.constexpr, BOUNDED: tl.constexpr):
-    """One past the last key row block ``block`` (a scalar, or a vector of blocks) reads: the pass's
-    ``end``, or with BOUNDED its last node's end (keys after it are masked for all its rows); a block
-    holding rows of two query heads reads up to the last node's."""
+    """One past the last key row block ``block`` reads: the pass's ``end``, or with BOUNDED its last node's
+    end (keys after it are masked for all its rows); a block holding rows of two query heads reads up to
+    the last node's."""
     if BOUNDED:
         first_row, last_row = block * BM, tl.minimum(block * BM + BM, rows) - 1
         wraps = first_row // nodes != last_row // nodes
