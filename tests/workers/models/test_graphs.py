@@ -230,3 +230,49 @@ def test_a_target_over_cuda_and_the_cpu_runs_eagerly_and_matches(tiny_hybrid):
         target.prefill(prompt)
         outputs.append(target.verify_tree(prompt[0, -1], tree.to(torch.device("cuda"))).logits.float().cpu())
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["tiny_hybrid", "tiny_next"])
+def test_a_commit_on_parallel_streams_equals_one_on_one_stream(request, name, monkeypatch):
+    """The commit's pieces on three streams (parallel branches once captured in a graph) leave every
+    GDN state, conv window and K/V slot bit-equal to the commit on one stream, whether run eagerly
+    (the first of each path length, and the MoE target's, which runs eagerly throughout) or replayed;
+    and the engines' tokens are the same."""
+    from workers.models.runner import loop
+
+    tiny = request.getfixturevalue(name)
+    model = copy.deepcopy(tiny.model).cuda()
+    drafter = copy.deepcopy(tiny.drafter).cuda()
+    taps = drafter.spec.target_layer_ids
+    vocab = tiny.shape.vocab_size
+    prompt = torch.randint(1, vocab, (1, 13), generator=torch.Generator().manual_seed(3)).cuda()
+    log_probs = torch.log_softmax(torch.randn(7, vocab, generator=torch.Generator().manual_seed(5)) * 2, dim=-1)
+    tree = build_tree(log_probs, TreeParams(24)).to(torch.device("cuda"))
+    deepest = int(tree.depths.argmax()) + 1  # node indices count the root as 0
+    paths = [torch.nonzero(tree.visibility[node])[:, 0] for node in (deepest, tree.parents[deepest], 0)]
+    assert [p.shape[0] for p in paths] == [int(tree.depths.max()) + 1, int(tree.depths.max()), 1]
+    targets = {branches: StaticTarget(model, taps, graphs=True) for branches in (1, 3)}
+    for branches, target in targets.items():
+        monkeypatch.setattr(loop, "COMMIT_BRANCHES", branches)
+        with torch.inference_mode():
+            target.start(capacity=160, max_verify=32)
+            target.prefill(prompt)
+            for path in paths * 3:  # each length: run eagerly and captured, then replayed twice
+                target.verify_tree(prompt[0, -1], tree)
+                target.commit(path)
+        torch.cuda.synchronize()
+    one, three = (targets[b].state for b in (1, 3))
+    assert one.length == three.length and len(one.states) >= 2
+    for i in one.states:
+        assert torch.equal(three.states[i], one.states[i]) and torch.equal(three.conv_windows[i], one.conv_windows[i])
+    for mine, theirs in zip(three.kv.stacks, one.kv.stacks, strict=True):
+        assert torch.equal(mine[:, :, :, :, : one.length], theirs[:, :, :, :, : one.length])  # the committed slots
+    if name != "tiny_next":  # MoE routing cannot be captured: that target runs eagerly
+        assert targets[3].commit_graphs.graphs, "no commit was captured"
+    config = GenerationConfig(max_new_tokens=24, seed=1)
+    for _, engine, params in ENGINES[1:]:
+        tokens = {}
+        for branches, target in targets.items():
+            monkeypatch.setattr(loop, "COMMIT_BRANCHES", branches)
+            tokens[branches] = engine(target, drafter, prompt, config, params).token_ids
+        assert tokens[3] == tokens[1]

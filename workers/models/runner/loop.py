@@ -31,7 +31,13 @@ from workers.models.fused_layer import PassInputs, fused_layer_for
 from workers.models.gdn import TreeShape
 from workers.models.gdn_layer import gdn_layer_for
 from workers.models.runner.state import State
+from workers.models.streams import branches
 from workers.seam import VerifyOutput, text_config
+
+# A commit's pieces (the K/V rows' move, each GDN layer's path) queued on this many CUDA streams at once
+# (``workers.models.streams``; 1: one after another on the current stream). They are independent, and a
+# GDN layer's kernel is short of work (``benchmarks/commit_branches.py`` times the choice).
+COMMIT_BRANCHES = 1
 
 
 class Loop:
@@ -214,10 +220,13 @@ class Loop:
         slots after the committed past, and its GDN layers replay the accepted path from their state."""
         state = self.state
         kept, length, columns = state.commit_inputs[device]
-        state.kv.move_on(device, length + kept[:count], length + columns[:count])
-        for i in self.gdn_ids:
-            if self.layer_devices[i] == device:
-                self.gdn[i].commit(state.pending[i], kept[:count], state.conv_windows[i], state.states[i])
+        layers = [i for i in self.gdn_ids if self.layer_devices[i] == device]
+        with branches(device, min(COMMIT_BRANCHES, 1 + len(layers))) as on:  # each piece on its own
+            with on(0):
+                state.kv.move_on(device, length + kept[:count], length + columns[:count])
+            for k, i in enumerate(layers, 1):
+                with on(k):
+                    self.gdn[i].commit(state.pending[i], kept[:count], state.conv_windows[i], state.states[i])
 
 
 def chain_shape(q: int, device) -> tuple[torch.Tensor, torch.Tensor]:

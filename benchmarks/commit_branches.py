@@ -1,0 +1,113 @@
+"""A target's commit with its pieces on one CUDA stream or several (``runner.loop.COMMIT_BRANCHES``).
+
+    python benchmarks/commit_branches.py [--shape qwen3.6-27b] [--branches 1,2,4,8] [--lengths 1,8,16]
+
+A commit after a verify pass moves the accepted K/V rows and, in every GDN layer, replays the
+accepted path from the committed state: one short kernel a layer, latency-bound, the layers
+independent of each other. On one stream they run one after another; on several (graph branches
+once captured) at once. Random weights of a named shape in bf16 on one GPU, one graphed target per
+setting (each captures its own commit graphs), 1024 committed tokens. Prints:
+- per path length, the replayed commit's median and quartiles (CUDA events around ``commit``, the
+  verify pass before each left out), each setting's turn interleaved with the others', against the
+  floor of its bytes (every GDN state read and written once, at this run's copy bandwidth);
+- whole rounds of DFlash and DDTree (``--budget``) per setting, interleaved, and whether every setting
+  gave the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from gpu_speed import copy_bandwidth, random_tree  # a sibling script: benchmarks/ is on sys.path
+
+from workers.decoding import ddtree, dflash
+from workers.decoding.generation import GenerationConfig
+from workers.decoding.params import DFlashParams, TreeParams
+from workers.models.runner import loop
+from workers.models.runner.target import StaticTarget
+from workers.models.shapes import build_random_drafter, build_random_target
+
+
+def quartiles(samples: list[float]) -> str:
+    low, median, high = statistics.quantiles(samples, n=4)
+    return f"{median:8.1f} ({low:.1f}-{high:.1f})"
+
+
+@torch.inference_mode()
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen3.6-27b")
+    parser.add_argument("--branches", default="1,2,4,8", help="streams per commit, comma-separated")
+    parser.add_argument("--lengths", default="1,8,16", help="accepted path lengths (root included)")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--budget", type=int, default=256, help="the DDTree rounds' budget (and the verified tree's)")
+    parser.add_argument("--reps", type=int, default=30, help="commits timed per setting and length")
+    parser.add_argument("--rounds", type=int, default=3, help="generations per setting and method, interleaved")
+    parser.add_argument("--new-tokens", type=int, default=48)
+    args = parser.parse_args()
+    settings = [int(b) for b in args.branches.split(",")]
+    lengths = [int(n) for n in args.lengths.split(",")]
+    device = torch.device("cuda")
+
+    bandwidth = copy_bandwidth()
+    model = build_random_target(args.shape, torch.bfloat16, device)
+    drafter = build_random_drafter(args.shape, model)
+    vocab, taps = model.config.vocab_size, drafter.spec.target_layer_ids
+    prompt = torch.randint(1, vocab - 1, (1, args.context), device=device)
+    targets = {b: StaticTarget(model, taps, graphs=True) for b in settings}
+    tree = random_tree(vocab, args.budget + 1).to(device)
+    deepest = int(tree.depths.argmax()) + 1  # node indices count the root as 0
+    chain = torch.nonzero(tree.visibility[deepest])[:, 0]  # the root's path to the deepest node
+    lengths = [n for n in lengths if n <= chain.shape[0]]
+    capacity = args.context + args.budget + 1 + max(lengths) * (args.reps + 2) * len(lengths)
+    for target in targets.values():
+        target.start(capacity=capacity, max_verify=args.budget + 1)
+        target.prefill(prompt)
+    state = next(iter(targets.values())).state
+    state_bytes = sum(s.numel() * s.element_size() for s in state.states.values())
+    floor_us = 2 * state_bytes / bandwidth * 1e6
+    print(f"{args.shape}: {len(state.states)} GDN layers, {state_bytes / 1e6:.0f} MB of state; copy bandwidth "
+          f"{bandwidth / 1e12:.2f} TB/s -> a commit's floor {floor_us:.0f} us (the state read and written once); "
+          f"verified tree of {args.budget} nodes")
+
+    samples = {(b, n): [] for b in settings for n in lengths}
+    for rep in range(args.reps + 2):  # the first two: the eager commit that is then captured, and a warm replay
+        for n in lengths:
+            for b in settings:
+                loop.COMMIT_BRANCHES = b  # read when a commit runs eagerly or is captured; replays keep it
+                target = targets[b]
+                target.verify_tree(prompt[0, -1], tree)
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                target.commit(chain[:n])
+                end.record()
+                end.synchronize()
+                if rep >= 2:
+                    samples[(b, n)].append(begin.elapsed_time(end) * 1e3)
+    print(f"{'path':>5} " + " ".join(f"{f'{b} stream(s), us':>24}" for b in settings))
+    for n in lengths:
+        print(f"{n:>5} " + " ".join(f"{quartiles(samples[(b, n)]):>24}" for b in settings))
+
+    config = GenerationConfig(max_new_tokens=args.new_tokens)
+    methods = [("dflash", dflash.generate, DFlashParams()), (f"ddtree B={args.budget}", ddtree.generate,
+                                                             TreeParams(args.budget))]
+    print(f"{'method':>14} " + " ".join(f"{f'{b} stream(s), ms/round':>24}" for b in settings) + "  same tokens")
+    for name, engine, params in methods:
+        per_round, tokens = {b: [] for b in settings}, {}
+        for rep in range(args.rounds + 1):  # the first: warm-up (captures)
+            for b in settings:
+                loop.COMMIT_BRANCHES = b
+                out = engine(targets[b], drafter, prompt, config, params)
+                tokens[b] = out.token_ids
+                if rep:
+                    per_round[b].append(out.decode_s / max(out.num_rounds, 1) * 1e3)
+        same = all(t == tokens[settings[0]] for t in tokens.values())
+        print(f"{name:>14} " + " ".join(f"{statistics.median(per_round[b]):>24.3f}" for b in settings)
+              + f"  {same}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,50 @@
+"""Independent pieces of GPU work queued on side streams, so they may run at once.
+
+Inside ``with branches(device, n) as on:``, each ``with on(k):`` queues its work on side stream
+k % n. Every side stream first waits for what the current stream had queued (the fork) and the current
+stream waits for all of them at the end (the join), so the block as a whole is ordered like one
+launch. Under CUDA graph capture the fork and join are captured too: the pieces become parallel
+branches of the graph, which the GPU may run side by side.
+
+What it is for: the commit's GDN layers (``runner.loop.Loop.commit_on``), each one kernel of a few
+programs per value head that walks the accepted path step by step, short on work and long on
+latency, and independent of each other. One stream runs them one after another; several fill the GPU.
+With ``n`` <= 1 or off CUDA, ``on(k)`` queues on the current stream, exactly as without this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+
+import torch
+
+
+@functools.cache
+def _side_streams(device_index: int, count: int) -> tuple[torch.cuda.Stream, ...]:
+    """``count`` streams on the GPU, made once per process (a captured graph records its kernels, not
+    the streams, so one set serves every capture and eager call). From torch's high-priority pool: the
+    default pool, taken round-robin, also gives ``torch.cuda.graph`` its capture stream, and a branch
+    on the very stream it forks from would run in line."""
+    return tuple(torch.cuda.Stream(device=device_index, priority=-1) for _ in range(count))
+
+
+@contextlib.contextmanager
+def branches(device: torch.device, count: int) -> Iterator[Callable[[int], contextlib.AbstractContextManager]]:
+    """Yields ``on``: ``with on(k):`` queues its work on side stream k % ``count`` of ``device``,
+    forked from the current stream at entry and joined back into it at exit. Work inside must not hand
+    memory it allocates to work outside (the caching allocator ties a block to the stream it was made on)."""
+    if device.type != "cuda" or count <= 1:
+        yield lambda k: contextlib.nullcontext()
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    main = torch.cuda.current_stream(index)
+    streams = _side_streams(index, count)
+    for stream in streams:
+        stream.wait_stream(main)
+    try:
+        yield lambda k: torch.cuda.stream(streams[k % count])
+    finally:
+        for stream in streams:
+            main.wait_stream(stream)
