@@ -1,4 +1,5 @@
-"""A target's commit with its pieces on one CUDA stream or several (``runner.loop.COMMIT_BRANCHES``).
+"""A target's commit with its pieces on one CUDA stream or several (``runner.loop.COMMIT_BRANCHES``), in
+line after the next draft or beside it (``decoding.generation.COMMIT_BESIDE_DRAFT``).
 
     python benchmarks/commit_branches.py [--shape qwen3.6-27b] [--branches 1,2,4,8] [--lengths 1,8,16]
 
@@ -10,8 +11,9 @@ setting (each captures its own commit graphs), 1024 committed tokens. Prints:
 - per path length, the replayed commit's median and quartiles (CUDA events around ``commit``, the
   verify pass before each left out), each setting's turn interleaved with the others', against the
   floor of its bytes (every GDN state read and written once, at this run's copy bandwidth);
-- whole rounds of DFlash and DDTree (``--budget``) per setting, interleaved, and whether every setting
-  gave the same tokens.
+- whole rounds of DFlash and DDTree (``--budget``) per setting, the commit in line and beside the next
+  draft, interleaved (median and range), whether every setting gave the same tokens, and the tokens a
+  round commits (random weights accept little: these rounds commit short paths).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import statistics
 import torch
 from gpu_speed import copy_bandwidth, random_tree  # a sibling script: benchmarks/ is on sys.path
 
-from workers.decoding import ddtree, dflash
+from workers.decoding import ddtree, dflash, generation
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import DFlashParams, TreeParams
 from workers.models.runner import loop
@@ -93,19 +95,23 @@ def main() -> int:
     config = GenerationConfig(max_new_tokens=args.new_tokens)
     methods = [("dflash", dflash.generate, DFlashParams()), (f"ddtree B={args.budget}", ddtree.generate,
                                                              TreeParams(args.budget))]
-    print(f"{'method':>14} " + " ".join(f"{f'{b} stream(s), ms/round':>24}" for b in settings) + "  same tokens")
+    rounds = [(b, beside) for beside in (False, True) for b in settings]
+    labels = [f"{b} stream(s){', beside' if beside else ''}" for b, beside in rounds]
+    print(f"{'ms/round':>14} " + " ".join(f"{label:>26}" for label in labels) + "  same tokens, tokens a round")
     for name, engine, params in methods:
-        per_round, tokens = {b: [] for b in settings}, {}
+        per_round, tokens, accepted = {key: [] for key in rounds}, {}, []
         for rep in range(args.rounds + 1):  # the first: warm-up (captures)
-            for b in settings:
-                loop.COMMIT_BRANCHES = b
+            for b, beside in rounds:
+                loop.COMMIT_BRANCHES, generation.COMMIT_BESIDE_DRAFT = b, beside
                 out = engine(targets[b], drafter, prompt, config, params)
-                tokens[b] = out.token_ids
+                tokens[(b, beside)] = out.token_ids
+                accepted += out.acceptance_lengths
                 if rep:
-                    per_round[b].append(out.decode_s / max(out.num_rounds, 1) * 1e3)
-        same = all(t == tokens[settings[0]] for t in tokens.values())
-        print(f"{name:>14} " + " ".join(f"{statistics.median(per_round[b]):>24.3f}" for b in settings)
-              + f"  {same}")
+                    per_round[(b, beside)].append(out.decode_s / max(out.num_rounds, 1) * 1e3)
+        same = all(t == tokens[rounds[0]] for t in tokens.values())
+        spread = {key: f"{statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f})" for key, v in per_round.items()}
+        print(f"{name:>14} " + " ".join(f"{spread[key]:>26}" for key in rounds)
+              + f"  {same}, {statistics.mean(accepted):.2f}")
     return 0
 
 

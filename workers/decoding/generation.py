@@ -18,6 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from workers.decoding.sampling import make_generator, sample_tokens
+from workers.models.streams import Mark, mark
+
+# Each round's commit queued beside the next draft (``workers.models.streams.beside``), not after it: the
+# two are independent, and the commit is short of work. Off until ``benchmarks/commit_branches.py`` times it.
+COMMIT_BESIDE_DRAFT = False
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,15 @@ def read_later(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
         return host
 
     return wait
+
+
+def commit_mark(target_device: torch.device, walk_device: torch.device) -> Mark | None:
+    """Where a round's walk ends, queued before the next draft: the commit then waits for this point
+    only (``with beside(...)``). None, so the commit queues in line, unless ``COMMIT_BESIDE_DRAFT`` and
+    the walk ran on the target's own GPU (the commit's first work)."""
+    if not COMMIT_BESIDE_DRAFT or walk_device != target_device:
+        return None
+    return mark(walk_device)
 
 
 class Clock:

@@ -1,6 +1,6 @@
 """Independent pieces of GPU work queued on side streams, so they may run at once.
 
-Inside ``with branches(device, n) as on:``, each ``with on(k):`` queues its work on side stream
+Two forms. ``branches``: inside ``with branches(device, n) as on:``, each ``with on(k):`` queues its work on side stream
 k % n. Every side stream first waits for what the current stream had queued (the fork) and the current
 stream waits for all of them at the end (the join), so the block as a whole is ordered like one
 launch. Under CUDA graph capture the fork and join are captured too: the pieces become parallel
@@ -10,6 +10,12 @@ What it is for: the commit's GDN layers (``runner.loop.Loop.commit_on``), each o
 programs per value head that walks the accepted path step by step, short on work and long on
 latency, and independent of each other. One stream runs them one after another; several fill the GPU.
 With ``n`` <= 1 or off CUDA, ``on(k)`` queues on the current stream, exactly as without this module.
+
+``beside``: ``with beside(marked):`` queues its work on a side stream that waits for the point
+``mark`` recorded on the current stream, not for what that stream queued since, and the current stream
+waits for it at exit. What it is for: a round's commit, which needs the round's walk but not the next
+draft that the engine queued after the walk (``workers.decoding.generation.commit_mark``), so the
+two run side by side. ``marked`` None queues in line.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -48,3 +55,39 @@ def branches(device: torch.device, count: int) -> Iterator[Callable[[int], conte
     finally:
         for stream in streams:
             main.wait_stream(stream)
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A point in a GPU's current stream: the work queued there before it."""
+
+    event: torch.cuda.Event
+    device_index: int
+
+
+def mark(device: torch.device) -> Mark | None:
+    """The point after the work queued so far on ``device``'s current stream (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(index))
+    return Mark(event, index)
+
+
+@contextlib.contextmanager
+def beside(marked: Mark | None) -> Iterator[None]:
+    """Inside: work queued on a side stream of the marked GPU, after ``marked`` only; at exit the current
+    stream waits for it, so what it queues next comes after. ``marked`` None: in line. The same
+    caution on memory as ``branches``."""
+    if marked is None:
+        yield
+        return
+    main = torch.cuda.current_stream(marked.device_index)
+    side = _side_streams(marked.device_index, 1)[0]
+    side.wait_event(marked.event)
+    try:
+        with torch.cuda.stream(side):
+            yield
+    finally:
+        main.wait_stream(side)

@@ -276,3 +276,35 @@ def test_a_commit_on_parallel_streams_equals_one_on_one_stream(request, name, mo
             monkeypatch.setattr(loop, "COMMIT_BRANCHES", branches)
             tokens[branches] = engine(target, drafter, prompt, config, params).token_ids
         assert tokens[3] == tokens[1]
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny_hybrid", "tiny_hybrid_dflash2"])
+def test_the_commit_beside_the_next_draft_changes_nothing(request, name, monkeypatch):
+    """Each round's commit on a side stream beside the next draft (and its pieces on three streams) gives
+    the same tokens, the same acceptance and the same committed state as the commit in line after it."""
+    from workers.decoding import generation
+    from workers.models.runner import loop
+
+    tiny = request.getfixturevalue(name)
+    model = copy.deepcopy(tiny.model).cuda()
+    drafter = copy.deepcopy(tiny.drafter).cuda()
+    taps = drafter.spec.target_layer_ids
+    targets = {False: StaticTarget(model, taps, graphs=True), True: StaticTarget(model, taps, graphs=True)}
+    vocab = tiny.shape.vocab_size
+    for seed in range(3):
+        prompt = torch.randint(1, vocab, (1, 6 + 5 * seed), generator=torch.Generator().manual_seed(seed)).cuda()
+        config = GenerationConfig(max_new_tokens=32, seed=seed)
+        for _, engine, params in ENGINES[1:]:
+            outputs = {}
+            for beside, target in targets.items():
+                monkeypatch.setattr(generation, "COMMIT_BESIDE_DRAFT", beside)
+                monkeypatch.setattr(loop, "COMMIT_BRANCHES", 3 if beside else 1)
+                outputs[beside] = engine(target, drafter, prompt, config, params)
+            assert outputs[True].token_ids == outputs[False].token_ids
+            assert outputs[True].acceptance_lengths == outputs[False].acceptance_lengths
+            line, apart = targets[False].state, targets[True].state
+            assert line.length == apart.length
+            for i in line.states:
+                assert torch.equal(apart.states[i], line.states[i])
+            for mine, theirs in zip(apart.kv.stacks, line.kv.stacks, strict=True):
+                assert torch.equal(mine[:, :, :, :, : line.length], theirs[:, :, :, :, : line.length])
