@@ -19,8 +19,9 @@ times each piece on this actor's target and drafter:
 ``predict`` prices every replayed round (``workers.decoding.methods``: each method's own rounds) with
 the table. Each piece is timed with a synchronise after every call (a round's pieces run one after
 another on the GPU; only the host's one read overlaps the next draft, and with
-``generation.COMMIT_BESIDE_DRAFT`` the commit does too, which the calibrated remainder absorbs); the fastest of a few repeats, since other load on the machine only adds time. Values
-between measured anchors are interpolated linearly.
+``generation.COMMIT_BESIDE_DRAFT`` the commit does too, which the calibrated remainder absorbs); the
+fastest of a few repeats, since other load on the machine only adds time. Values between measured
+anchors are interpolated linearly.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.decoding.sampling import make_generator, sample_tokens
-from workers.models.streams import Mark, mark
+from workers.models.streams import Mark, gpu_index, mark
 
 # Each round's commit queued beside the next draft (``workers.models.streams.beside``), not after it: the
 # two are independent, and the commit is short of work. Off until ``benchmarks/commit_branches.py`` times it.
@@ -132,9 +132,9 @@ def commit_mark(target_device: torch.device, walk_device: torch.device) -> Mark 
     """Where a round's walk ends, queued before the next draft: the commit then waits for this point
     only (``with beside(...)``). None, so the commit queues in line, unless ``COMMIT_BESIDE_DRAFT`` and
     the walk ran on the target's own GPU (the commit's first work)."""
-    if not COMMIT_BESIDE_DRAFT or walk_device != target_device:
+    if not COMMIT_BESIDE_DRAFT or walk_device.type != "cuda" or target_device.type != "cuda":
         return None
-    return mark(walk_device)
+    return mark(walk_device) if gpu_index(walk_device) == gpu_index(target_device) else None
 
 
 class Clock:

@@ -1,21 +1,20 @@
 """Independent pieces of GPU work queued on side streams, so they may run at once.
 
-Two forms. ``branches``: inside ``with branches(device, n) as on:``, each ``with on(k):`` queues its work on side stream
-k % n. Every side stream first waits for what the current stream had queued (the fork) and the current
-stream waits for all of them at the end (the join), so the block as a whole is ordered like one
-launch. Under CUDA graph capture the fork and join are captured too: the pieces become parallel
-branches of the graph, which the GPU may run side by side.
+``branches``: inside ``with branches(device, n) as on:``, each ``with on(k):`` queues its work on side
+stream k % n. Every side stream first waits for what the current stream had queued (the fork) and the
+current stream waits for all of them at the end (the join), so the block as a whole is ordered like
+one launch. Under CUDA graph capture the fork and join are captured too: the pieces become parallel
+branches of the graph, which the GPU may run side by side. What it is for: the commit's GDN layers
+(``runner.loop.Loop.commit_on``), each one kernel of a few programs per value head that walks the
+accepted path step by step, short on work and long on latency, and independent of each other. One
+stream runs them one after another; several fill the GPU. With ``n`` <= 1 or off CUDA, ``on(k)``
+queues on the current stream, exactly as without this module.
 
-What it is for: the commit's GDN layers (``runner.loop.Loop.commit_on``), each one kernel of a few
-programs per value head that walks the accepted path step by step, short on work and long on
-latency, and independent of each other. One stream runs them one after another; several fill the GPU.
-With ``n`` <= 1 or off CUDA, ``on(k)`` queues on the current stream, exactly as without this module.
-
-``beside``: ``with beside(marked):`` queues its work on a side stream that waits for the point
-``mark`` recorded on the current stream, not for what that stream queued since, and the current stream
-waits for it at exit. What it is for: a round's commit, which needs the round's walk but not the next
-draft that the engine queued after the walk (``workers.decoding.generation.commit_mark``), so the
-two run side by side. ``marked`` None queues in line.
+``beside``: ``with beside(marked):`` queues its work on a side stream that waits for the point ``mark``
+recorded on the current stream, not for what that stream queued since, and the current stream waits
+for it at exit. What it is for: a round's commit, which needs the round's walk but not the next draft
+that the engine queued after the walk (``workers.decoding.generation.commit_mark``), so the two run
+side by side. ``marked`` None queues in line.
 """
 
 from __future__ import annotations
@@ -26,6 +25,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+
+
+def gpu_index(device: torch.device) -> int:
+    """A CUDA device's index ("cuda" alone: the current one)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.cache
@@ -45,7 +49,7 @@ def branches(device: torch.device, count: int) -> Iterator[Callable[[int], conte
     if device.type != "cuda" or count <= 1:
         yield lambda k: contextlib.nullcontext()
         return
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = gpu_index(device)
     main = torch.cuda.current_stream(index)
     streams = _side_streams(index, count)
     for stream in streams:
@@ -69,7 +73,7 @@ def mark(device: torch.device) -> Mark | None:
     """The point after the work queued so far on ``device``'s current stream (None off CUDA)."""
     if device.type != "cuda":
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = gpu_index(device)
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(index))
     return Mark(event, index)
