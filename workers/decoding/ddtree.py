@@ -14,20 +14,12 @@ import time
 import torch
 
 from workers.decoding.drafting import open_drafting
-from workers.decoding.generation import (
-    NULL_TIMER,
-    GenerationConfig,
-    GenerationOutput,
-    commit_mark,
-    open_generation,
-    read_later,
-)
+from workers.decoding.generation import NULL_TIMER, GenerationConfig, GenerationOutput, ReadLater, open_generation
 from workers.decoding.params import TreeParams
 from workers.decoding.replay import ReplayTable, ddtree_lengths
 from workers.decoding.sampling import sample_tokens
 from workers.decoding.tree import accepted_nodes
 from workers.models.drafter import DFlashDrafter
-from workers.models.streams import beside
 from workers.seam import Target, Timer
 
 
@@ -66,19 +58,18 @@ def generate(
             path_padded = torch.where(accepted, nodes, accepted.shape[0]).sort().values  # [n+1]
             reached = accepted.sum()  # the path's length, on the device
             bonus = choices.gather(0, path_padded.gather(0, reached.view(1) - 1))  # [1] the choice after its last node
-            walk = read_later(torch.stack((path_padded, choices)))
-            walked = commit_mark(target.device, path_padded.device)
+            read = ReadLater(torch.stack((path_padded, choices)))
         with timer.stage("draft"):  # the next round's, queued before the host reads this one's outcome
             rows = path_padded[: drafter.block_size].clamp(max=accepted.shape[0] - 1)  # the path's first
             context = verified.taps.index_select(1, rows.to(verified.taps.device))
             draft = drafting.draft_counted(bonus, context, reached, params.max_depth)
         with timer.stage("commit"):
-            walk = walk()  # sync: the round's one host read (the next draft keeps the GPU busy meanwhile)
+            walk = read()  # sync: the round's one host read (the next draft keeps the GPU busy meanwhile)
             ended_at = time.perf_counter()
             count = int((walk[0] < accepted.shape[0]).sum())
             path = walk[0, :count]  # root first
             drafting.advance(count)
-            with beside(walked):  # in line unless COMMIT_BESIDE_DRAFT: then beside the next draft
+            with read.beside(target.device):  # in line unless COMMIT_BESIDE_DRAFT: then beside the next draft
                 target.commit(path_padded[:count])
             # an accepted node's token is the target's choice at its parent: the choices along the
             # path are the accepted tokens, then the next bonus

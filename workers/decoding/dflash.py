@@ -14,19 +14,11 @@ import time
 import torch
 
 from workers.decoding.drafting import open_drafting
-from workers.decoding.generation import (
-    NULL_TIMER,
-    GenerationConfig,
-    GenerationOutput,
-    commit_mark,
-    open_generation,
-    read_later,
-)
+from workers.decoding.generation import NULL_TIMER, GenerationConfig, GenerationOutput, ReadLater, open_generation
 from workers.decoding.params import DFlashParams
 from workers.decoding.replay import ReplayTable, dflash_lengths
 from workers.decoding.sampling import sample_tokens
 from workers.models.drafter import DFlashDrafter
-from workers.models.streams import beside
 from workers.seam import Target, Timer
 
 
@@ -63,16 +55,15 @@ def generate(
             guesses = guesses.to(choices.device)
             matched = (guesses == choices[:-1]).int().cumprod(dim=0).sum()  # accepted guesses, on the device
             bonus = choices.gather(0, matched.view(1))  # [1] the target's choice after them
-            walk = read_later(torch.cat((guesses, choices, matched.view(1))))
-            walked = commit_mark(target.device, steps.device)
+            read = ReadLater(torch.cat((guesses, choices, matched.view(1))))
         with timer.stage("draft"):  # the next round's, queued before the host reads this one's outcome
             draft = drafting.draft_counted(bonus, verified.taps, matched + 1, num_draft)
         with timer.stage("commit"):
-            walk = walk()  # sync: the round's one host read (the next draft keeps the GPU busy meanwhile)
+            walk = read()  # sync: the round's one host read (the next draft keeps the GPU busy meanwhile)
             ended_at = time.perf_counter()
             drafted, chosen, accepted = walk[:num_draft], walk[num_draft:-1], int(walk[-1])
             drafting.advance(accepted + 1)
-            with beside(walked):  # in line unless COMMIT_BESIDE_DRAFT: then beside the next draft
+            with read.beside(target.device):  # in line unless COMMIT_BESIDE_DRAFT: then beside the next draft
                 target.commit(steps[: accepted + 1])
             out.extend(drafted[:accepted].tolist() + [int(chosen[accepted])])
         rounds.append(accepted + 1)

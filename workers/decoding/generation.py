@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from workers.decoding.sampling import make_generator, sample_tokens
-from workers.models.streams import Mark, gpu_index, mark
+from workers.models.streams import Mark, beside, gpu_index
 
 # Each round's commit queued beside the next draft (``workers.models.streams.beside``), not after it: the
 # two are independent, and the commit is short of work. Off until ``benchmarks/commit_branches.py`` times it.
@@ -110,31 +110,39 @@ def device_sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def read_later(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """Start copying a small device tensor to the host without waiting for the work queued after it:
-    returns the call that waits for the copy alone and gives the host tensor (on the CPU, the tensor).
-    An engine queues its next draft between the two, so the GPU is busy while the host reads."""
-    if tensor.device.type != "cuda":
-        return lambda: tensor
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record(torch.cuda.current_stream(tensor.device))
+class ReadLater:
+    """A small device tensor's copy to the host, started without waiting for the work queued after it.
+    ``read()`` waits for the copy alone and gives the host tensor (on the CPU, the tensor). An engine
+    queues its next draft between the two, so the GPU is busy while the host reads; and
+    ``with read.beside(target_device):`` queues the round's commit after the copied tensor's work only,
+    beside that draft (``COMMIT_BESIDE_DRAFT``; else in line)."""
 
-    def wait() -> torch.Tensor:
-        copied.synchronize()
-        return host
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.device = tensor.device
+        self.copied: torch.cuda.Event | None = None
+        if tensor.device.type != "cuda":
+            self.host = tensor
+            return
+        self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self.host.copy_(tensor, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record(torch.cuda.current_stream(tensor.device))
 
-    return wait
+    def __call__(self) -> torch.Tensor:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host
 
+    def beside(self, target_device: torch.device) -> AbstractContextManager[None]:
+        """Work queued inside waits for what was queued before the copy, not for what came after it,
+        where ``COMMIT_BESIDE_DRAFT`` and the tensor is on the target's own GPU (the commit's first
+        work); in line otherwise."""
+        marked = None
+        if COMMIT_BESIDE_DRAFT and self.copied is not None and target_device.type == "cuda":
+            if gpu_index(target_device) == gpu_index(self.device):
+                marked = Mark(self.copied, gpu_index(self.device))
+        return beside(marked)
 
-def commit_mark(target_device: torch.device, walk_device: torch.device) -> Mark | None:
-    """Where a round's walk ends, queued before the next draft: the commit then waits for this point
-    only (``with beside(...)``). None, so the commit queues in line, unless ``COMMIT_BESIDE_DRAFT`` and
-    the walk ran on the target's own GPU (the commit's first work)."""
-    if not COMMIT_BESIDE_DRAFT or walk_device.type != "cuda" or target_device.type != "cuda":
-        return None
-    return mark(walk_device) if gpu_index(walk_device) == gpu_index(target_device) else None
 
 
 class Clock:

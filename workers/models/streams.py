@@ -10,10 +10,10 @@ accepted path step by step, short on work and long on latency, and independent o
 stream runs them one after another; several fill the GPU. With ``n`` <= 1 or off CUDA, ``on(k)``
 queues on the current stream, exactly as without this module.
 
-``beside``: ``with beside(marked):`` queues its work on a side stream that waits for the point ``mark``
-recorded on the current stream, not for what that stream queued since, and the current stream waits
-for it at exit. What it is for: a round's commit, which needs the round's walk but not the next draft
-that the engine queued after the walk (``workers.decoding.generation.commit_mark``), so the two run
+``beside``: ``with beside(marked):`` queues its work on a side stream that waits for ``marked`` (an
+event recorded earlier on the current stream), not for what that stream queued since, and the current
+stream waits for it at exit. What it is for: a round's commit, which needs the round's walk but not the next draft
+that the engine queued after the walk (``workers.decoding.generation.ReadLater.beside``), so the two run
 side by side. ``marked`` None queues in line.
 """
 
@@ -63,20 +63,10 @@ def branches(device: torch.device, count: int) -> Iterator[Callable[[int], conte
 
 @dataclass(frozen=True)
 class Mark:
-    """A point in a GPU's current stream: the work queued there before it."""
+    """A point in a GPU's current stream (an event recorded there): the work queued before it."""
 
     event: torch.cuda.Event
     device_index: int
-
-
-def mark(device: torch.device) -> Mark | None:
-    """The point after the work queued so far on ``device``'s current stream (None off CUDA)."""
-    if device.type != "cuda":
-        return None
-    index = gpu_index(device)
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(index))
-    return Mark(event, index)
 
 
 @contextlib.contextmanager
