@@ -18,7 +18,9 @@ drafter (5 layers, block 16). Prints, last, one table:
 - last, issues 12 and 28's goals against what this run measured (those it measured), with, for the
   DDTree rounds, the least ratio this GPU allows (``least_round``; "out of reach" where it exceeds
   the goal), then what ``lt_product`` timed and chose per product shape (``--no-lt``: none of it).
-``--shared-attention`` runs the attention kernel's shared form (``attention_triton.SHARED``, off by default).
+``--shared-attention`` runs the attention kernel's shared form (``attention_triton.SHARED``, off by default);
+``--commit-branches N`` a commit's pieces on N streams (``runner.loop.COMMIT_BRANCHES``) and ``--commit-beside``
+each round's commit beside the next draft (``decoding.generation.COMMIT_BESIDE_DRAFT``), both off by default.
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ import time
 import torch
 
 from tests.helpers.reference import AttentionTarget
-from workers.decoding import ar, ddtree, dflash
+from workers.decoding import ar, ddtree, dflash, generation
 from workers.decoding.drafting import EagerDrafting, GraphDrafting, open_drafting
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import DFlashParams, TreeParams
 from workers.decoding.tree import build_tree, follow_tree
 from workers.models import attention_triton, lt_product, pdl_triton
 from workers.models.kernels import dependent_launches
+from workers.models.runner import loop
 from workers.models.runner.target import StaticTarget
 from workers.models.shapes import build_random_drafter, build_random_target
 from workers.seam import is_hybrid
@@ -132,9 +135,14 @@ def main() -> int:
                         help="torch's own products where workers.models.lt_product would time cuBLASLt's algorithms")
     parser.add_argument("--shared-attention", action="store_true",
                         help="the attention's work shared among one round of programs (attention_triton.SHARED)")
+    parser.add_argument("--commit-branches", type=int, default=1,
+                        help="a commit's pieces on this many CUDA streams (runner.loop.COMMIT_BRANCHES)")
+    parser.add_argument("--commit-beside", action="store_true",
+                        help="each round's commit beside the next draft (decoding.generation.COMMIT_BESIDE_DRAFT)")
     args = parser.parse_args()
     lt_product.ENABLED = not args.no_lt
     attention_triton.SHARED = args.shared_attention
+    loop.COMMIT_BRANCHES, generation.COMMIT_BESIDE_DRAFT = args.commit_branches, args.commit_beside
     if args.wide_triton:
         from workers.models import wide_triton
 
