@@ -144,7 +144,6 @@ class ReadLater:
         return beside(marked)
 
 
-
 class Clock:
     """TTFT / decode split for one generation, synchronising only at the two boundaries."""
 
