@@ -1,6 +1,7 @@
 """The floors and the verify passes in a burst and under sustained load, in one process.
 
-    python benchmarks/sustained.py [--shape qwen3.6-27b] [--qs 17,257] [--seconds 5]
+    python benchmarks/sustained.py [--shape qwen3.6-27b] [--qs 17,257] [--seconds 5] [--shared-attention]
+        [--no-workspace]
 
 A GPU at its power limit lowers its SM clock within a second of compute-bound work, so a pass timed
 in a few calls after idle (``gpu_speed.py``) runs at another clock than the same pass deep in a decode
@@ -9,7 +10,8 @@ run, and so does the 8192^3 product that gives the compute floor. Here each of: 
 replays), after 3 s idle, runs back to back for ``--seconds``, each call timed by CUDA events. Burst:
 the median of the calls in the first 0.25 s; sustained: of those in the last second. The SM clock
 and board power come from nvidia-smi right after each run. Each pass is printed against
-max(weight floor, compute floor) measured in the same regime.
+max(weight floor, compute floor) measured in the same regime, then what ``lt_product`` chose per
+product shape when the passes were captured.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import time
 import torch
 from gpu_speed import model_sizes, random_tree  # a sibling script: benchmarks/ is on sys.path
 
-from workers.models import attention_triton
+from workers.models import attention_triton, lt_product
 from workers.models.gdn import MAX_PATH
 from workers.models.runner.target import StaticTarget
 from workers.models.shapes import build_random_drafter, build_random_target
@@ -94,8 +96,13 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--shared-attention", action="store_true",
                         help="the attention's work shared among one round of programs (attention_triton.SHARED)")
+    parser.add_argument("--no-workspace", action="store_true",
+                        help="offer lt_product's chooser only cuBLASLt algorithms without a workspace (no memset "
+                             "node before each call in a graph)")
     args = parser.parse_args()
     attention_triton.SHARED = args.shared_attention
+    if args.no_workspace:
+        lt_product.WORKSPACE_BYTES = 0
     device = torch.device("cuda")
     model = build_random_target(args.shape, torch.bfloat16, device)
     drafter = build_random_drafter(args.shape, model)
@@ -135,6 +142,8 @@ def main() -> int:
             against = f"{bandwidth[0] / 1e12:>9.2f} TB/s {bandwidth[1] / 1e12:>12.2f} TB/s"
         print(f"{label:>22} {burst:>9.3f} {sustained:>10.3f} {sustained / burst:>10.3f}  {against}  {after}")
         print(f"{'':>22} {quartiles}")
+    print("lt_product's choices (torch's call, the fastest offered algorithm, the choice):")
+    print("\n".join(lt_product.report()) or "  none timed")
     return 0
 
 

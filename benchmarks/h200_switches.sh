@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The GPU runs that decide the speed switches built off until an H200 times them, kept here so a session
+# that is lent a machine starts from them (benchmarks/results/wide_passes_h200.md, from the fifteenth
+# session's section on):
+#   attention_triton.SHARED           the attention's work shared among one round of programs (stream-K)
+#   runner.loop.COMMIT_BRANCHES       a commit's pieces (the K/V move, each GDN layer) on several streams
+#   generation.COMMIT_BESIDE_DRAFT    the commit beside the next draft instead of after it
+#   lt_product.WORKSPACE_BYTES        whether cuBLASLt's algorithms that need a workspace (and a memset
+#                                     node before each call in a graph) cost the 8B 257-row pass time
+# Each switch goes on only where its timing shows a gain and its GPU tests pass; a switch that shows none
+# comes out of the code.
+#
+# Here (a machine with pip and the internet), once a session:
+#   bash benchmarks/h200_switches.sh wheels      # .whl: fla-core, nvmath-python and their needs, for the device
+# On the device (`run`, carry [".whl", ".device-cache"]), each call one mode:
+#   bash benchmarks/h200_switches.sh tests       # the switches' GPU tests (about 3 min)
+#   bash benchmarks/h200_switches.sh commit      # commit_branches.py on the 27B shape (about 5 min)
+#   bash benchmarks/h200_switches.sh kernel      # attention_kernels.py --shared: 8B, 27B, 8B prompt chunks
+#   bash benchmarks/h200_switches.sh ab SHAPE    # sustained.py at 256 and 257 rows, shared attention off/on, twice
+#   bash benchmarks/h200_switches.sh ws          # the 8B's 257-row pass with workspace algorithms offered or not
+# Triton's compiled kernels outlive the machine: a call unpacks .device-cache/triton.tar.xz (if carried)
+# into a fixed folder (the cache records absolute paths) and leaves the grown cache in
+# $OUT/triton.tar.xz; copy that back to .device-cache/ before the next call, so it compiles nothing twice.
+set -euo pipefail
+mode=${1:?usage: bash benchmarks/h200_switches.sh wheels|tests|commit|kernel|ab SHAPE|ws}
+case "$mode" in wheels|tests|commit|kernel|ab|ws) ;; *) echo "unknown mode $mode: wheels|tests|commit|kernel|ab SHAPE|ws" >&2; exit 2 ;; esac
+
+if [ "$mode" = wheels ]; then
+  mkdir -p .whl
+  # the device's Python (3.12, x86-64, manylinux); einops, torch and triton are already there
+  python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d .whl "fla-core==0.6.0" "nvmath-python>=1.0,<2"
+  du -sh .whl
+  exit 0
+fi
+
+cache=/tmp/h200-switches-triton
+mkdir -p "$cache" /tmp/site
+if [ -f .device-cache/triton.tar.xz ]; then tar xJf .device-cache/triton.tar.xz -C "$cache"; fi
+save_cache() {  # the IR beside each cubin is not needed to load it: only the cubin and its metadata travel
+  if [ -n "${OUT:-}" ]; then
+    find "$cache" -type f \( -name '*.ttir' -o -name '*.ttgir' -o -name '*.llir' -o -name '*.ptx' -o -name '*.source' \) -delete
+    tar cJf "$OUT/triton.tar.xz" -C "$cache" . && du -h "$OUT/triton.tar.xz"
+  fi
+}
+trap save_cache EXIT
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=.:benchmarks:/tmp/site PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$cache
+set +e  # one measurement that fails or runs out of time leaves the next to run
+nvidia-smi --query-gpu=name,clocks.sm,power.draw --format=csv,noheader
+
+case "$mode" in
+  tests)
+    timeout 400 python3 -m pytest -q -n 8 -m gpu tests/workers/models/test_attention_triton.py \
+      tests/workers/models/test_graphs.py tests/workers/models/test_streams.py ;;
+  commit)
+    timeout 540 python3 benchmarks/commit_branches.py --shape qwen3.6-27b --branches 1,2,4,8 --lengths 1,8,16 ;;
+  kernel)
+    timeout 170 python3 benchmarks/attention_kernels.py --shape qwen3-8b --capacity 3072 \
+      --qs 17,65,129,256,257 --choices 1 --ends --shared --programs 264,528
+    timeout 170 python3 benchmarks/attention_kernels.py --shape qwen3.6-27b --capacity 3072 \
+      --qs 65,129,257,513,1025 --choices 1 --ends --shared
+    timeout 80 python3 benchmarks/attention_kernels.py --shape qwen3-8b --capacity 3072 --causal --qs 1024 \
+      --length 0 --choices 1 --shared
+    timeout 80 python3 benchmarks/attention_kernels.py --shape qwen3-8b --capacity 3072 --causal --qs 1024 \
+      --length 1000 --choices 1 --shared ;;
+  ab)
+    shape=${2:?ab needs a shape: qwen3-8b or qwen3.6-27b}
+    for turn in 1 2; do
+      for switch in "" --shared-attention; do
+        echo "== $shape, turn $turn, ${switch:-split attention}"
+        timeout 130 python3 benchmarks/sustained.py --shape "$shape" --qs 256,257 --seconds 3 $switch
+      done
+    done ;;
+  ws)
+    for turn in 1 2; do
+      for switch in "" --no-workspace; do
+        echo "== qwen3-8b, turn $turn, ${switch:-workspace algorithms offered}"
+        timeout 130 python3 benchmarks/sustained.py --shape qwen3-8b --qs 257 --seconds 3 $switch
+      done
+    done ;;
+esac
