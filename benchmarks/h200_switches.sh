@@ -12,20 +12,21 @@
 #
 # Here (a machine with pip and the internet), once a session:
 #   bash benchmarks/h200_switches.sh wheels      # .whl: fla-core, nvmath-python and their needs, for the device
-# On the device (`run`, carry [".whl", ".device-cache"]), each call one mode:
-#   bash benchmarks/h200_switches.sh tests       # the switches' GPU tests (about 3 min)
-#   bash benchmarks/h200_switches.sh commit      # commit_branches.py on the 27B shape (about 5 min)
-#   bash benchmarks/h200_switches.sh kernel      # attention_kernels.py --shared: 8B, 27B, 8B prompt chunks
-#   bash benchmarks/h200_switches.sh ab SHAPE    # sustained.py at 256 and 257 rows, shared attention off/on, twice
-#   bash benchmarks/h200_switches.sh ws          # the 8B's 257-row pass with workspace algorithms offered or not
+# On the device (`run`, carry [".whl", ".device-cache"]), one or more modes a call, in order (their
+# timeouts, in brackets, summed under the call's 600 s: e.g. `tests commit` as a first call):
+#   bash benchmarks/h200_switches.sh tests       # the switches' GPU tests [220 s]
+#   bash benchmarks/h200_switches.sh commit      # commit_branches.py on the 27B shape [340 s]
+#   bash benchmarks/h200_switches.sh kernel      # attention_kernels.py --shared: 8B, 27B, 8B prompt chunks [360 s]
+#   bash benchmarks/h200_switches.sh ab SHAPE    # sustained.py at 256 and 257 rows, shared attention off/on, twice [530 s]
+#   bash benchmarks/h200_switches.sh ws          # the 8B's 257-row pass with workspace algorithms offered or not [530 s]
 # Triton's compiled kernels outlive the machine: a call unpacks .device-cache/triton.tar.xz (if carried)
 # into a fixed folder (the cache records absolute paths) and leaves the grown cache in
 # $OUT/triton.tar.xz; copy that back to .device-cache/ before the next call, so it compiles nothing twice.
 set -euo pipefail
-mode=${1:?usage: bash benchmarks/h200_switches.sh wheels|tests|commit|kernel|ab SHAPE|ws}
-case "$mode" in wheels|tests|commit|kernel|ab|ws) ;; *) echo "unknown mode $mode: wheels|tests|commit|kernel|ab SHAPE|ws" >&2; exit 2 ;; esac
+usage="usage: bash benchmarks/h200_switches.sh wheels | MODE... (tests, commit, kernel, ab SHAPE, ws)"
+[ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 
-if [ "$mode" = wheels ]; then
+if [ "$1" = wheels ]; then
   mkdir -p .whl
   # the device's Python (3.12, x86-64, manylinux); einops, torch and triton are already there
   python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -34,6 +35,54 @@ if [ "$mode" = wheels ]; then
   du -sh .whl
   exit 0
 fi
+
+tests() {
+  timeout 220 python3 -m pytest -q -n 8 -m gpu tests/workers/models/test_attention_triton.py \
+    tests/workers/models/test_graphs.py tests/workers/models/test_streams.py
+}
+commit() {
+  timeout 340 python3 benchmarks/commit_branches.py --shape qwen3.6-27b --branches 1,2,4,8 --lengths 1,8,16
+}
+kernel() {
+  timeout 120 python3 benchmarks/attention_kernels.py --shape qwen3-8b --capacity 3072 \
+    --qs 17,65,129,256,257 --choices 1 --ends --shared --programs 264,528
+  timeout 120 python3 benchmarks/attention_kernels.py --shape qwen3.6-27b --capacity 3072 \
+    --qs 65,129,257,513,1025 --choices 1 --ends --shared
+  for length in 0 1000; do  # the 8B's 1024-token prompt chunk, first and after 1000 tokens
+    timeout 60 python3 benchmarks/attention_kernels.py --shape qwen3-8b --capacity 3072 --causal --qs 1024 \
+      --length $length --choices 1 --shared
+  done
+}
+ab() {  # $1: the shape; the first run compiles what the rest find in the cache
+  limit=170
+  for turn in 1 2; do
+    for switch in "" --shared-attention; do
+      echo "== $1, turn $turn, ${switch:-whole key splits}"
+      timeout $limit python3 benchmarks/sustained.py --shape "$1" --qs 256,257 --seconds 3 $switch
+      limit=120
+    done
+  done
+}
+ws() {
+  limit=170
+  for turn in 1 2; do
+    for switch in "" --no-workspace; do
+      echo "== qwen3-8b, turn $turn, ${switch:-workspace algorithms offered}"
+      timeout $limit python3 benchmarks/sustained.py --shape qwen3-8b --qs 257 --seconds 3 $switch
+      limit=120
+    done
+  done
+}
+
+modes=()  # checked before anything runs
+while [ $# -gt 0 ]; do
+  case "$1" in
+    tests|commit|kernel|ws) modes+=("$1"); shift ;;
+    ab) [ $# -ge 2 ] || { echo "ab needs a shape: qwen3-8b or qwen3.6-27b" >&2; exit 2; }
+        modes+=("ab $2"); shift 2 ;;
+    *) echo "unknown mode $1; $usage" >&2; exit 2 ;;
+  esac
+done
 
 cache=/tmp/h200-switches-triton
 mkdir -p "$cache" /tmp/site
@@ -51,35 +100,7 @@ fi
 export PYTHONPATH=.:benchmarks:/tmp/site PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$cache
 set +e  # one measurement that fails or runs out of time leaves the next to run
 nvidia-smi --query-gpu=name,clocks.sm,power.draw --format=csv,noheader
-
-case "$mode" in
-  tests)
-    timeout 400 python3 -m pytest -q -n 8 -m gpu tests/workers/models/test_attention_triton.py \
-      tests/workers/models/test_graphs.py tests/workers/models/test_streams.py ;;
-  commit)
-    timeout 540 python3 benchmarks/commit_branches.py --shape qwen3.6-27b --branches 1,2,4,8 --lengths 1,8,16 ;;
-  kernel)
-    timeout 170 python3 benchmarks/attention_kernels.py --shape qwen3-8b --capacity 3072 \
-      --qs 17,65,129,256,257 --choices 1 --ends --shared --programs 264,528
-    timeout 170 python3 benchmarks/attention_kernels.py --shape qwen3.6-27b --capacity 3072 \
-      --qs 65,129,257,513,1025 --choices 1 --ends --shared
-    timeout 80 python3 benchmarks/attention_kernels.py --shape qwen3-8b --capacity 3072 --causal --qs 1024 \
-      --length 0 --choices 1 --shared
-    timeout 80 python3 benchmarks/attention_kernels.py --shape qwen3-8b --capacity 3072 --causal --qs 1024 \
-      --length 1000 --choices 1 --shared ;;
-  ab)
-    shape=${2:?ab needs a shape: qwen3-8b or qwen3.6-27b}
-    for turn in 1 2; do
-      for switch in "" --shared-attention; do
-        echo "== $shape, turn $turn, ${switch:-split attention}"
-        timeout 130 python3 benchmarks/sustained.py --shape "$shape" --qs 256,257 --seconds 3 $switch
-      done
-    done ;;
-  ws)
-    for turn in 1 2; do
-      for switch in "" --no-workspace; do
-        echo "== qwen3-8b, turn $turn, ${switch:-workspace algorithms offered}"
-        timeout 130 python3 benchmarks/sustained.py --shape qwen3-8b --qs 257 --seconds 3 $switch
-      done
-    done ;;
-esac
+for mode in "${modes[@]}"; do
+  echo "==== $mode ($(date +%T))"
+  $mode
+done
