@@ -19,11 +19,12 @@
 #   bash benchmarks/h200_switches.sh kernel      # attention_kernels.py --shared: 8B, 27B, 8B prompt chunks [360 s]
 #   bash benchmarks/h200_switches.sh ab SHAPE    # sustained.py at 256 and 257 rows, shared attention off/on, twice [530 s]
 #   bash benchmarks/h200_switches.sh ws          # the 8B's 257-row pass with workspace algorithms offered or not [530 s]
+#   bash benchmarks/h200_switches.sh goals       # issue 28's goal table on both shapes, with what is on [540 s]
 # Triton's compiled kernels outlive the machine: a call unpacks .device-cache/triton.tar.xz (if carried)
 # into a fixed folder (the cache records absolute paths) and leaves the grown cache in
 # $OUT/triton.tar.xz; copy that back to .device-cache/ before the next call, so it compiles nothing twice.
 set -euo pipefail
-usage="usage: bash benchmarks/h200_switches.sh wheels | MODE... (tests, commit, kernel, ab SHAPE, ws)"
+usage="usage: bash benchmarks/h200_switches.sh wheels | MODE... (tests, commit, kernel, ab SHAPE, ws, goals)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 
 if [ "$1" = wheels ]; then
@@ -74,10 +75,17 @@ ws() {
   done
 }
 
+goals() {  # AR, the 17- and 257-row passes, prefill, DFlash and DDTree rounds (27B: B = 1024's out of reach, left out)
+  timeout 200 python3 benchmarks/gpu_speed.py --shape qwen3-8b --qs 17,257 --budgets 255,256,1024 \
+    --new-tokens 32 --reps 3
+  timeout 340 python3 benchmarks/gpu_speed.py --shape qwen3.6-27b --qs 17,257 --budgets 255,256 \
+    --new-tokens 32 --reps 2
+}
+
 modes=()  # checked before anything runs
 while [ $# -gt 0 ]; do
   case "$1" in
-    tests|commit|kernel|ws) modes+=("$1"); shift ;;
+    tests|commit|kernel|ws|goals) modes+=("$1"); shift ;;
     ab) [ $# -ge 2 ] || { echo "ab needs a shape: qwen3-8b or qwen3.6-27b" >&2; exit 2; }
         modes+=("ab $2"); shift 2 ;;
     *) echo "unknown mode $1; $usage" >&2; exit 2 ;;
