@@ -17,8 +17,8 @@
 #   bash benchmarks/h200_switches.sh tests       # the switches' GPU tests [220 s]
 #   bash benchmarks/h200_switches.sh commit      # commit_branches.py on the 27B shape [340 s]
 #   bash benchmarks/h200_switches.sh kernel      # attention_kernels.py --shared: 8B, 27B, 8B prompt chunks [360 s]
-#   bash benchmarks/h200_switches.sh ab SHAPE    # sustained.py at 256 and 257 rows, shared attention off/on, twice [530 s]
-#   bash benchmarks/h200_switches.sh ws          # the 8B's 257-row pass with workspace algorithms offered or not [530 s]
+#   bash benchmarks/h200_switches.sh ab SHAPE    # sustained.py, 256 and 257 rows, shared attention off/on x2 [530 s]
+#   bash benchmarks/h200_switches.sh ws          # the 8B's 257-row pass, workspace algorithms offered or not [530 s]
 #   bash benchmarks/h200_switches.sh goals       # issue 28's goal table on both shapes, with what is on [540 s]
 # Triton's compiled kernels outlive the machine: a call unpacks .device-cache/triton.tar.xz (if carried)
 # into a fixed folder (the cache records absolute paths) and leaves the grown cache in
@@ -75,7 +75,7 @@ ws() {
   done
 }
 
-goals() {  # AR, the 17- and 257-row passes, prefill, DFlash and DDTree rounds (27B: B = 1024's out of reach, left out)
+goals() {  # AR, the 17- and 257-row passes, prefill, DFlash and DDTree rounds (27B: B = 1024, out of reach, left out)
   timeout 200 python3 benchmarks/gpu_speed.py --shape qwen3-8b --qs 17,257 --budgets 255,256,1024 \
     --new-tokens 32 --reps 3
   timeout 340 python3 benchmarks/gpu_speed.py --shape qwen3.6-27b --qs 17,257 --budgets 255,256 \
@@ -97,7 +97,8 @@ mkdir -p "$cache" /tmp/site
 if [ -f .device-cache/triton.tar.xz ]; then tar xJf .device-cache/triton.tar.xz -C "$cache"; fi
 save_cache() {  # the IR beside each cubin is not needed to load it: only the cubin and its metadata travel
   if [ -n "${OUT:-}" ]; then
-    find "$cache" -type f \( -name '*.ttir' -o -name '*.ttgir' -o -name '*.llir' -o -name '*.ptx' -o -name '*.source' \) -delete
+    find "$cache" -type f \( -name '*.ttir' -o -name '*.ttgir' -o -name '*.llir' -o -name '*.ptx' \
+      -o -name '*.source' \) -delete
     tar cJf "$OUT/triton.tar.xz" -C "$cache" . && du -h "$OUT/triton.tar.xz"
   fi
 }
