@@ -18,7 +18,8 @@ drafter (5 layers, block 16). Prints, last, one table:
 - last, issues 12 and 28's goals against what this run measured (those it measured), with, for the
   DDTree rounds, the least ratio this GPU allows (``least_round``; "out of reach" where it exceeds
   the goal), then what ``lt_product`` timed and chose per product shape (``--no-lt``: none of it).
-``--shared-attention`` runs the attention kernel's shared form (``attention_triton.SHARED``, off by default);
+``--attention-form shared`` runs the attention kernel's shared form, ``chosen`` the form each pass shape's trial
+chose (``attention_triton.SHARED``, key splits by default);
 ``--commit-branches N`` a commit's pieces on N streams (``runner.loop.COMMIT_BRANCHES``) and ``--commit-beside``
 each round's commit beside the next draft (``decoding.generation.COMMIT_BESIDE_DRAFT``), both off by default.
 """
@@ -133,15 +134,17 @@ def main() -> int:
                              "benchmarks/wide_gemm.py), to time a pass with it")
     parser.add_argument("--no-lt", action="store_true",
                         help="torch's own products where workers.models.lt_product would time cuBLASLt's algorithms")
-    parser.add_argument("--shared-attention", action="store_true",
-                        help="the attention's work shared among one round of programs (attention_triton.SHARED)")
+    parser.add_argument("--attention-form", choices=sorted(attention_triton.FORMS),
+                        help="the attention's work in key splits, shared among one round of programs, or chosen "
+                             "per pass shape on trial (attention_triton.SHARED; default: as the module sets it)")
     parser.add_argument("--commit-branches", type=int, default=1,
                         help="a commit's pieces on this many CUDA streams (runner.loop.COMMIT_BRANCHES)")
     parser.add_argument("--commit-beside", action="store_true",
                         help="each round's commit beside the next draft (decoding.generation.COMMIT_BESIDE_DRAFT)")
     args = parser.parse_args()
     lt_product.ENABLED = not args.no_lt
-    attention_triton.SHARED = args.shared_attention
+    if args.attention_form:
+        attention_triton.SHARED = attention_triton.FORMS[args.attention_form]
     loop.COMMIT_BRANCHES, generation.COMMIT_BESIDE_DRAFT = args.commit_branches, args.commit_beside
     if args.wide_triton:
         from workers.models import wide_triton
@@ -380,10 +383,12 @@ def measure(args: argparse.Namespace) -> int:
 
 
 def lt_lines() -> list[str]:
-    """What ``lt_product`` timed and chose per product shape in this run (nothing with --no-lt)."""
-    chosen = lt_product.report()
-    return ["cuBLASLt per shape (lt_product: torch's call, the fastest offered algorithm, the choice):"] + chosen \
-        if chosen else []
+    """What ``lt_product`` timed and chose per product shape in this run (nothing with --no-lt), and the
+    attention's form per pass shape where it was chosen on trial (``--attention-form chosen``)."""
+    chosen, forms = lt_product.report(), attention_triton.report()
+    return ((["cuBLASLt per shape (lt_product: torch's call, the fastest offered algorithm, the choice):"] + chosen
+             if chosen else [])
+            + (["attention form per pass shape (attention_triton: the trial, the choice):"] + forms if forms else []))
 
 
 def goal_lines(measured: dict) -> list[str]:

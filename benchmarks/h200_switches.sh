@@ -2,13 +2,15 @@
 # The GPU runs that decide the speed switches built off until an H200 times them, kept here so a session
 # that is lent a machine starts from them (benchmarks/results/wide_passes_h200.md, from the fifteenth
 # session's section on):
-#   attention_triton.SHARED           the attention's work shared among one round of programs (stream-K)
+#   attention_triton.SHARED           the attention's work shared among one round of programs (stream-K), or
+#                                     that form chosen per pass shape on trial (None)
 #   runner.loop.COMMIT_BRANCHES       a commit's pieces (the K/V move, each GDN layer) on several streams
 #   generation.COMMIT_BESIDE_DRAFT    the commit beside the next draft instead of after it
 #   lt_product.WORKSPACE_BYTES        whether cuBLASLt's algorithms that need a workspace (and a memset
 #                                     node before each call in a graph) cost the 8B 257-row pass time
 # Each switch goes on only where its timing shows a gain and its GPU tests pass; a switch that shows none
-# comes out of the code.
+# comes out of the code. SHARED's next setting is None (each pass shape's form chosen on trial, on every GPU)
+# once `tests` pass and `ab` finds the chosen forms no slower than the key splits.
 #
 # Here (a machine with pip and the internet), once a session:
 #   bash benchmarks/h200_switches.sh wheels      # .whl: fla-core, nvmath-python and their needs, for the device
@@ -17,7 +19,7 @@
 #   bash benchmarks/h200_switches.sh tests       # the switches' GPU tests [220 s]
 #   bash benchmarks/h200_switches.sh commit      # commit_branches.py on the 27B shape [340 s]
 #   bash benchmarks/h200_switches.sh kernel      # attention_kernels.py --shared: 8B, 27B, 8B prompt chunks [360 s]
-#   bash benchmarks/h200_switches.sh ab SHAPE    # sustained.py, 256 and 257 rows, shared attention off/on x2 [530 s]
+#   bash benchmarks/h200_switches.sh ab SHAPE    # sustained.py, 256 and 257 rows, attention splits / chosen x2 [530 s]
 #   bash benchmarks/h200_switches.sh ws          # the 8B's 257-row pass, workspace algorithms offered or not [530 s]
 #   bash benchmarks/h200_switches.sh goals       # issue 28's goal table on both shapes, with what is on [540 s]
 # Triton's compiled kernels outlive the machine: a call unpacks .device-cache/triton.tar.xz (if carried)
@@ -54,12 +56,13 @@ kernel() {
       --length $length --choices 1 --shared
   done
 }
-ab() {  # $1: the shape; the first run compiles what the rest find in the cache
-  limit=170
-  for turn in 1 2; do
-    for switch in "" --shared-attention; do
-      echo "== $1, turn $turn, ${switch:-whole key splits}"
-      timeout $limit python3 benchmarks/sustained.py --shape "$1" --qs 256,257 --seconds 3 $switch
+ab() {  # $1: the shape; the first run compiles both forms' kernels, which the rest find in the cache
+  limit=170 turn=0
+  for forms in "chosen splits" "splits chosen"; do
+    turn=$((turn + 1))
+    for form in $forms; do
+      echo "== $1, turn $turn, attention form: $form"
+      timeout $limit python3 benchmarks/sustained.py --shape "$1" --qs 256,257 --seconds 3 --attention-form $form
       limit=120
     done
   done

@@ -1,7 +1,7 @@
 """The floors and the verify passes in a burst and under sustained load, in one process.
 
-    python benchmarks/sustained.py [--shape qwen3.6-27b] [--qs 17,257] [--seconds 5] [--shared-attention]
-        [--no-workspace]
+    python benchmarks/sustained.py [--shape qwen3.6-27b] [--qs 17,257] [--seconds 5]
+        [--attention-form splits|shared|chosen] [--no-workspace]
 
 A GPU at its power limit lowers its SM clock within a second of compute-bound work, so a pass timed
 in a few calls after idle (``gpu_speed.py``) runs at another clock than the same pass deep in a decode
@@ -94,13 +94,15 @@ def main() -> int:
     parser.add_argument("--qs", default="17,257", help="verify widths: 17 or fewer a chain, more a tree")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--shared-attention", action="store_true",
-                        help="the attention's work shared among one round of programs (attention_triton.SHARED)")
+    parser.add_argument("--attention-form", choices=sorted(attention_triton.FORMS),
+                        help="the attention's work in key splits, shared among one round of programs, or chosen "
+                             "per pass shape on trial (attention_triton.SHARED; default: as the module sets it)")
     parser.add_argument("--no-workspace", action="store_true",
                         help="offer lt_product's chooser only cuBLASLt algorithms without a workspace (no memset "
                              "node before each call in a graph)")
     args = parser.parse_args()
-    attention_triton.SHARED = args.shared_attention
+    if args.attention_form:
+        attention_triton.SHARED = attention_triton.FORMS[args.attention_form]
     if args.no_workspace:
         lt_product.WORKSPACE_BYTES = 0
     device = torch.device("cuda")
@@ -144,6 +146,9 @@ def main() -> int:
         print(f"{'':>22} {quartiles}")
     print("lt_product's choices (torch's call, the fastest offered algorithm, the choice):")
     print("\n".join(lt_product.report()) or "  none timed")
+    if attention_triton.report():
+        print("the attention's form per pass shape (the trial, the choice):")
+        print("\n".join(attention_triton.report()))
     return 0
 
 

@@ -12,7 +12,9 @@ P V product, as SDPA's fused kernels do) over folded rows: query [Hkv, R, D], on
 of rows, K/V head and split of the keys; with few row blocks the keys are split and a second kernel
 merges the partial results by their log-sum-exps. Or (``SHARED``, not yet on) one round of programs
 shares the (row block, K/V head, key tile) work evenly, stream-K, and the same merge joins each block's
-parts. The mask and the query are read through block
+parts; or each pass shape takes the faster of the two forms, timed on its first call in a graph's
+warm-up (``chosen_form``), as ``lt_product`` chooses the products' algorithms. The mask and the query are
+read through block
 pointers: per-element pointer tensors for a [64, 256] tile would hold 128 registers a thread and spill
 (``benchmarks/kernel_resources.py`` prints each kernel's registers and spills per architecture). So are
 K and V before Hopper; from Hopper on their whole tiles come by TMA (``uses_descriptors``: at head sizes
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -374,15 +377,26 @@ def supports(query: torch.Tensor, key: torch.Tensor) -> bool:
 # holds at once (``_shared_kernel``, stream-K) instead of splitting each block's keys into whole parts
 # (``split_count``): where whole splits leave part of the GPU idle (the 8B shape's 257-row pass: 2 splits,
 # 272 of 396 programs) or take a second round for a few programs (items outnumbering the resident
-# programs). Not yet timed on a GPU: off (``benchmarks/attention_kernels.py --shared`` times both forms).
-SHARED = False
+# programs). For a call that names neither ``splits`` nor ``programs``: True shared, False key splits, None
+# chosen per pass shape on the GPU at hand (``chosen_form``). Not yet run on a GPU: off
+# (``benchmarks/attention_kernels.py --shared`` times both forms; ``benchmarks/h200_switches.sh`` has the runs).
+SHARED: bool | None = False
+FORMS = {"splits": False, "shared": True, "chosen": None}  # SHARED's settings by name (the benchmarks' flag)
 MOST_SEGMENTS = 4  # the most items one program of the shared form holds parts of (its key loops are unrolled)
+# SHARED None: the shared form is kept for a pass shape where it beats the key splits by this fraction of their
+# time, and where its output is within this relative difference of theirs (the same softmax, its partial sums
+# merged at other places: half precision's rounding, about 4e-3 in bfloat16)
+FORM_MARGIN, FORM_AGREEMENT = 0.03, 1e-2
+# (device, query's shape, nodes, ends given) -> shared or not, chosen once per process (``chosen_form``), and
+# for those chosen on trial what the trial found (``report``)
+_FORMS: dict[tuple, bool] = {}
+_TRIALS: dict[tuple, str] = {}
 
 
 @contextlib.contextmanager
-def sharing(on: bool) -> Iterator[None]:
-    """Inside: passes share their work among one round of resident programs (``on``) or split their
-    keys (False) when neither ``splits`` nor ``programs`` is given."""
+def sharing(on: bool | None) -> Iterator[None]:
+    """Inside: passes share their work among one round of resident programs (``on``), split their keys
+    (False) or take the form chosen for their shape (None) when neither ``splits`` nor ``programs`` is given."""
     global SHARED
     saved, SHARED = SHARED, on
     try:
@@ -392,17 +406,17 @@ def sharing(on: bool) -> Iterator[None]:
 
 
 def division(blocks: int, heads: int, rows: int, resident: int, sms: int, splits: int | None = None,
-             programs: int | None = None) -> tuple[int | None, int]:
+             programs: int | None = None, shared: bool = False) -> tuple[int | None, int]:
     """How a pass of ``rows`` folded rows in ``blocks`` row blocks x ``heads`` K/V heads divides its work on a
     GPU of ``sms`` multiprocessors that holds ``resident`` programs at once: (the programs that share it,
     the most parts an item is cut into) or (None, the key splits). Shared among ``programs``, or among
-    ``resident`` where ``SHARED`` and no ``splits`` are given; at least a third of the items' count (a
+    ``resident`` where ``shared`` and no ``splits`` are given; at least a third of the items' count (a
     program then holds parts of at most MOST_SEGMENTS items). Evenly shared, an item's tiles span at most
     programs / items + 1 programs; at most ``MAX_KEY_SPLITS`` parts and, unless ``programs`` are given, the
     memory plan's bound on the partial sums (4 x multiprocessors x ``ROW_BLOCK`` rows, as ``split_count``
     keeps). Below 2 parts: key splits."""
     items = blocks * heads
-    sharers = programs if programs is not None else resident if SHARED and splits is None else None
+    sharers = programs if programs is not None else resident if shared and splits is None else None
     if sharers is not None:
         sharers = max(sharers, -(-items // (MOST_SEGMENTS - 1)))
         most = MAX_KEY_SPLITS if programs is not None else 4 * sms * ROW_BLOCK // (heads * rows)
@@ -415,7 +429,8 @@ def division(blocks: int, heads: int, rows: int, resident: int, sms: int, splits
 def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                  slots: torch.Tensor, scale: float, splits: int | None = None,
                  rows_per_program: int | None = None, nodes: int | None = None,
-                 ends: torch.Tensor | None = None, programs: int | None = None) -> torch.Tensor | None:
+                 ends: torch.Tensor | None = None, programs: int | None = None,
+                 shared: bool | None = None) -> torch.Tensor | None:
     """Softmax attention of folded rows query [Hkv, R, D] over key/value [Hkv, C, D] (rows contiguous,
     K and V of the same strides) with the additive mask [R, C], reading keys up to the last of
     ``slots`` (the pass's K/V slots; every later key must be masked) -> [Hkv, R, D], or with
@@ -426,16 +441,18 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     before the first slot (the committed past) must be visible to every row: the mask is read from
     there on. ``splits``: of the keys (None: ``split_count``'s, by how many programs the GPU holds at
     once; ``benchmarks/attention_kernels.py --grid`` times others); ``programs``: instead, that many
-    programs share the work (``_shared_kernel``; None: one round of resident programs where ``SHARED``
-    and no ``splits`` are given, else splits); ``rows_per_program``: None, as TILES say (the benchmarks
-    set it). None (and ``supports`` false from then on) if this GPU lacks the shared memory for every
-    choice of TILES."""
+    programs share the work (``_shared_kernel``); with neither, ``shared`` says whether one round of
+    resident programs shares it (None: as ``SHARED`` says); ``rows_per_program``: None, as TILES say (the
+    benchmarks set it). None (and ``supports`` false from then on) if this GPU lacks the shared memory for
+    every choice of TILES."""
     heads, rows, dim = query.shape
     if ends is not None and nodes is None:
         raise ValueError("attend_until: ends are per node; give nodes too")
     chosen = (str(query.device), dim, row_block(rows))
     if chosen in _CHOSEN and _CHOSEN[chosen] is None:
         return None
+    if shared is None and splits is None and programs is None:
+        shared = SHARED if SHARED is not None else chosen_form(query, key, value, mask, slots, scale, nodes, ends)
     query = query.contiguous()
     mask = mask if mask.stride(-1) == 1 else mask.contiguous()
     if nodes is None:  # [Hkv, R, D]: one "query head" of R nodes per K/V head
@@ -451,7 +468,7 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
         block_rows = rows_per_program or row_block(rows, most)
         blocks = triton.cdiv(rows, block_rows)
         resident = resident_programs(query.device, block_rows, keys, stages, dim) * sms
-        sharers, key_splits = division(blocks, heads, rows, resident, sms, splits, programs)
+        sharers, key_splits = division(blocks, heads, rows, resident, sms, splits, programs, bool(shared))
         partial = stats = parts = out
         if key_splits > 1:
             partial = torch.empty(key_splits, heads, rows, dim, dtype=torch.float32, device=query.device)
@@ -486,3 +503,67 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
                                                          COUNTED=sharers is not None, num_warps=4,
                                                          **launch_options(out.device))
     return out
+
+
+def chosen_form(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                slots: torch.Tensor, scale: float, nodes: int | None, ends: torch.Tensor | None) -> bool:
+    """Whether a pass of this shape shares its work (``SHARED`` None), chosen at its first call and kept for
+    the process, so eager and replayed passes of a shape compute the same bits. First met inside
+    ``lt_product.choosing()`` (the graphs' warm-ups), both forms run on this call's own inputs: the shared
+    one is kept where its output agrees with the key splits' within FORM_AGREEMENT and its time, by
+    ``lt_product.time_calls``, is FORM_MARGIN under theirs. First met anywhere else: key splits (timing a
+    prompt's every last partial chunk would land in timed runs, as for ``lt_product``)."""
+    from workers.models import lt_product
+
+    shape = (str(query.device), tuple(query.shape), nodes, ends is not None)
+    if shape not in _FORMS:
+        if lt_product.choosing_now():
+            _FORMS[shape], _TRIALS[shape] = _trial(
+                lambda shared: attend_until(query, key, value, mask, slots, scale, nodes=nodes, ends=ends,
+                                            shared=shared),
+                (str(query.device), query.shape[-1], row_block(query.shape[1])), query.device)
+        else:
+            _FORMS[shape] = False
+    return _FORMS[shape]
+
+
+def _trial(attend, tiles_key: tuple, device: torch.device) -> tuple[bool, str]:
+    """``attend(shared)``: the call in one form. (The shared form?, what the trial found): the shared form
+    where it gives what the key splits give and beats their time by FORM_MARGIN; never where it cannot run
+    (its kernel past this GPU's limits with the tiles the splits took, which stay theirs) or divides the
+    work as the splits do."""
+    from workers.models import lt_product
+
+    split_out = attend(False)
+    if split_out is None:
+        return False, "no Triton attention"
+    tiles = _CHOSEN.get(tiles_key)
+    try:
+        shared_out = attend(True)
+    except Exception as exc:  # a failure of the form on trial is reported and leaves the proven one in place
+        warnings.warn(f"attention_triton: the shared form failed on its trial ({exc!r}); key splits kept")
+        shared_out = None
+    if shared_out is None:
+        _CHOSEN[tiles_key] = tiles
+        return False, "shared form failed"
+    if torch.equal(shared_out, split_out):  # no round of programs to fill: the same division
+        return False, "same division"
+    difference = ((shared_out.float() - split_out.float()).norm() / split_out.float().norm()).item()
+    if not difference <= FORM_AGREEMENT:  # NaN too
+        warnings.warn(f"attention_triton: the shared form's output differs from the key splits' by {difference:.2e} "
+                      f"(relative) on its trial; key splits kept")
+        return False, f"shared form differs by {difference:.1e}"
+    split_ms, shared_ms = lt_product.time_calls([lambda: attend(False), lambda: attend(True)], device)
+    per_call = 1e3 / lt_product.TIMED_CALLS
+    return (shared_ms < (1 - FORM_MARGIN) * split_ms,
+            f"splits {split_ms * per_call:.1f} us, shared {shared_ms * per_call:.1f} us")
+
+
+def report() -> list[str]:
+    """A line per pass shape whose form was chosen on trial (``SHARED`` None): what the trial found, the form."""
+    lines = []
+    for shape, found in _TRIALS.items():
+        device, query, nodes, bounded = shape
+        lines.append(f"{device} query {list(query)}{' by node' if nodes else ''}{' with ends' if bounded else ''}: "
+                     f"{found} -> {'shared' if _FORMS[shape] else 'key splits'}")
+    return lines

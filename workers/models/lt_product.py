@@ -28,6 +28,7 @@ import contextlib
 import ctypes
 import functools
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -270,13 +271,19 @@ _choosing = 0  # how many ``choosing()`` blocks are open
 
 @contextlib.contextmanager
 def choosing() -> Iterator[None]:
-    """Inside: a product shape met for the first time (outside a capture) is timed and its algorithm chosen."""
+    """Inside: a product shape met for the first time (outside a capture) is timed and its algorithm chosen;
+    so is an attention pass shape's form where ``attention_triton.SHARED`` is None."""
     global _choosing
     _choosing += 1
     try:
         yield
     finally:
         _choosing -= 1
+
+
+def choosing_now() -> bool:
+    """Whether a shape met for the first time now is timed: inside ``choosing()``, not capturing a graph."""
+    return _choosing > 0 and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 # (device index, rows, N, K, summed, dtype) -> the choice (its ``run`` computes the product), or None: torch's call
@@ -306,8 +313,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = Non
         return None
     if chosen is _UNSEEN:
         with torch.cuda.device(x.device):  # the timing's events and streams: the operands' GPU, not the current one
-            timed = _choosing and not torch.cuda.is_current_stream_capturing()
-            chosen = _CHOSEN[key] = _choose(x, weight, out is not None) if timed else None
+            chosen = _CHOSEN[key] = _choose(x, weight, out is not None) if choosing_now() else None
         if chosen is None:
             return None
     return chosen.run(x, weight, out if out is not None else x.new_empty(rows, width))
@@ -357,7 +363,11 @@ def report() -> list[str]:
 def time_calls(calls: list, device: torch.device, rounds: int = ROUNDS) -> list[float]:
     """Each call's median over ``rounds`` of the sum of TIMED_CALLS runs (milliseconds, by CUDA events), a
     buffer larger than the L2 read before each run (read, not written: written lines would be written
-    back during the timed call); the rounds interleave the calls, so a drift of the clocks hits all."""
+    back during the timed call); the rounds interleave the calls, so a drift of the clocks hits all. Off
+    CUDA (Triton's interpreter runs the kernels on the CPU) by the host's clock, with no flush."""
+    if device.type != "cuda":
+        timed = [[_host_ms(call) for call in calls] for _ in range(rounds)]
+        return [sorted(r[i] for r in timed)[rounds // 2] for i in range(len(calls))]
     l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 << 20
     flush = torch.zeros(FLUSH_L2S * l2_bytes // 2, dtype=torch.float16, device=device)
     for call in calls:  # first use: lazy set-up, workspace
@@ -376,3 +386,10 @@ def time_calls(calls: list, device: torch.device, rounds: int = ROUNDS) -> list[
         torch.cuda.synchronize(device)
         timed.append([sum(begin.elapsed_time(end) for begin, end in pairs) for pairs in events])
     return [sorted(r[i] for r in timed)[rounds // 2] for i in range(len(calls))]
+
+
+def _host_ms(call) -> float:
+    begin = time.perf_counter()
+    for _ in range(TIMED_CALLS):
+        call()
+    return (time.perf_counter() - begin) * 1e3

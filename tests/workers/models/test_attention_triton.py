@@ -148,3 +148,38 @@ def test_the_shared_work_replays_at_another_length(heads, groups, dim):
     want = attend_folded(query, key[:, :end], value[:, :end], mask[:, :end], dim**-0.5).float()
     want = want.reshape(heads * groups, q, dim).transpose(0, 1).reshape(q, -1)
     assert ((out.float() - want).norm() / want.norm()).item() < 5e-3
+
+
+@pytest.mark.parametrize(("heads", "groups", "dim"), [(8, 4, 128), (4, 6, 256)])
+@torch.inference_mode()
+def test_the_form_chosen_on_trial_is_the_one_a_graph_replays(heads, groups, dim, monkeypatch):
+    """``SHARED`` None: a 257-node pass captured by ``graph_cache.capture`` (its warm-ups inside
+    ``lt_product.choosing()``) has its form chosen on trial there, kept (``report``), and the replay after
+    1100 committed tokens gives the bits of an eager call of that form at the new length, and SDPA's values."""
+    from workers.models import attention_triton, graph_cache
+
+    monkeypatch.setattr(attention_triton, "SHARED", None)
+    monkeypatch.setattr(attention_triton, "_FORMS", {})
+    monkeypatch.setattr(attention_triton, "_TRIALS", {})
+    q, capacity = 257, 2048
+    first, later = (pass_inputs(heads, groups, q, capacity, length, dim, torch.bfloat16, length, ends=True)
+                    for length in (300, 1100))
+    static = [tensor.clone() for tensor in first]
+
+    def call(shared=None):
+        query, key, value, mask, slots, ends = static
+        return attention_triton.attend_until(query, key, value, mask, slots, dim**-0.5, nodes=q, ends=ends,
+                                             shared=shared)
+
+    graph, out = graph_cache.capture(call)
+    [line] = attention_triton.report()
+    shared = line.endswith("-> shared")
+    for tensor, value in zip(static, later):
+        tensor.copy_(value)
+    graph.replay()
+    assert torch.equal(out, call()) and torch.equal(out, call(shared))
+    end = 1100 + q
+    query, key, value, mask = later[:4]
+    want = attend_folded(query, key[:, :end], value[:, :end], mask[:, :end], dim**-0.5).float()
+    want = want.reshape(heads * groups, q, dim).transpose(0, 1).reshape(q, -1)
+    assert ((out.float() - want).norm() / want.norm()).item() < 5e-3

@@ -152,11 +152,57 @@ def test_the_shared_work_equals_the_torch_attention(heads, groups, q, capacity, 
                            attend_until(query, key, value, mask, slots, dim**-0.5, programs=64))
 
 
-def test_how_the_work_is_divided(monkeypatch):
-    """``division`` at an H200's widths: key splits unless ``SHARED`` (or ``programs``); shared, an item's
+@torch.inference_mode()
+def test_the_attention_form_is_chosen_once_per_pass_shape(monkeypatch):
+    """``SHARED`` None: a pass shape first met inside ``lt_product.choosing()`` runs both forms on its own
+    inputs and keeps the shared one where it agrees with the key splits and beats their time by FORM_MARGIN
+    (here set so that it is kept whenever it agrees, then never); later calls, outside, run the kept form
+    (the same bits as that form named). A form that does not agree within FORM_AGREEMENT is refused with a
+    warning; a shape first met outside ``choosing()`` keeps the key splits, untimed."""
+    from workers.models import attention_triton, lt_product
+    from workers.models.attention_triton import attend_until
+
+    # a GPU of 3 multiprocessors, one program each: 4 items (2 row blocks x 2 K/V heads) in 2 key splits, or
+    # shared among 3 programs
+    monkeypatch.setattr(attention_triton, "multiprocessors", lambda device: 3)
+    monkeypatch.setattr(attention_triton, "SHARED", None)
+    monkeypatch.setattr(lt_product, "TIMED_CALLS", 1)  # the interpreter's calls are slow; the order is the test
+    (query, key, value, mask, slots, ends), _, want_by_node = attention_case(2, 3, 30, 200, 100, 32, False)
+
+    def attend(shared=None):
+        return attend_until(query, key, value, mask, slots, 32**-0.5, nodes=30, ends=ends, shared=shared)
+
+    split_form, shared_form = attend(False), attend(True)
+    assert not torch.equal(split_form, shared_form)  # the two divisions differ at this shape
+    for margin, kept in ((-100.0, shared_form), (0.99, split_form)):  # kept when it agrees; then never
+        monkeypatch.setattr(attention_triton, "_FORMS", {})
+        monkeypatch.setattr(attention_triton, "_TRIALS", {})
+        monkeypatch.setattr(attention_triton, "FORM_MARGIN", margin)
+        with lt_product.choosing():
+            first = attend()
+        assert torch.equal(first, kept) and torch.equal(attend(), kept)
+        assert relative(first, want_by_node) < 2e-3
+        [line] = attention_triton.report()
+        assert "splits" in line and "shared" in line and line.endswith("shared" if margin < 0 else "key splits")
+
+    monkeypatch.setattr(attention_triton, "_FORMS", {})
+    monkeypatch.setattr(attention_triton, "_TRIALS", {})
+    monkeypatch.setattr(attention_triton, "FORM_MARGIN", -100.0)
+    monkeypatch.setattr(attention_triton, "FORM_AGREEMENT", 0.0)  # any difference refused
+    with lt_product.choosing(), pytest.warns(UserWarning, match="differs from the key splits"):
+        assert torch.equal(attend(), split_form)
+    monkeypatch.setattr(attention_triton, "_FORMS", {})
+    monkeypatch.setattr(attention_triton, "_TRIALS", {})
+    monkeypatch.setattr(attention_triton, "FORM_AGREEMENT", 1e-2)
+    assert torch.equal(attend(), split_form) and attention_triton.report() == []  # first met outside: no trial
+    with lt_product.choosing():
+        assert torch.equal(attend(), split_form)  # and kept
+
+
+def test_how_the_work_is_divided():
+    """``division`` at an H200's widths: key splits unless ``shared`` (or ``programs``); shared, an item's
     tiles span at most programs / items + 1 programs, with programs at least a third of the items; the
     memory plan's bound and ``MAX_KEY_SPLITS`` cap the parts (below 2: key splits again)."""
-    from workers.models import attention_triton
     from workers.models.attention_triton import division
     from workers.models.kernels import MAX_KEY_SPLITS
 
@@ -164,12 +210,11 @@ def test_how_the_work_is_divided(monkeypatch):
     assert division(17, 8, 1028, 396, 132, programs=100) == (100, 2)  # a program holds parts of up to 3 items
     assert division(17, 8, 1028, 396, 132, programs=10) == (46, 2)  # at least a third of the items
     assert division(17, 8, 1028, 396, 132, programs=5000) == (5000, MAX_KEY_SPLITS)
-    monkeypatch.setattr(attention_triton, "SHARED", True)
-    assert division(17, 8, 1028, 396, 132) == (396, 4)
-    assert division(13, 4, 1542, 132, 132) == (132, 4)  # the 27B shape's: one 128-row program an SM
-    assert division(17, 8, 1028, 396, 132, splits=3) == (None, 3)
-    assert division(64, 8, 4096, 396, 132) == (396, 2)  # a prompt chunk: more items than resident programs
-    assert division(64, 8, 4096, 1000, 2) == (None, 1)  # the partial sums' bound leaves no room
+    assert division(17, 8, 1028, 396, 132, shared=True) == (396, 4)
+    assert division(13, 4, 1542, 132, 132, shared=True) == (132, 4)  # the 27B shape's: one 128-row program an SM
+    assert division(17, 8, 1028, 396, 132, splits=3, shared=True) == (None, 3)
+    assert division(64, 8, 4096, 396, 132, shared=True) == (396, 2)  # a prompt chunk: more items than resident
+    assert division(64, 8, 4096, 1000, 2, shared=True) == (None, 1)  # the partial sums' bound leaves no room
 
 
 @pytest.mark.parametrize(("q", "groups", "dim", "tma"),
