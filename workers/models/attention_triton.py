@@ -13,14 +13,13 @@ of rows, K/V head and split of the keys; with few row blocks the keys are split 
 merges the partial results by their log-sum-exps. Or (``SHARED``, not yet on) one round of programs
 shares the (row block, K/V head, key tile) work evenly, stream-K, and the same merge joins each block's
 parts; or each pass shape takes the faster of the two forms, timed on its first call in a graph's
-warm-up (``chosen_form``), as ``lt_product`` chooses the products' algorithms. The mask and the query are
-read through block
-pointers: per-element pointer tensors for a [64, 256] tile would hold 128 registers a thread and spill
-(``benchmarks/kernel_resources.py`` prints each kernel's registers and spills per architecture). So are
-K and V before Hopper; from Hopper on their whole tiles come by TMA (``uses_descriptors``: at head sizes
-below 256 only for passes of many rows), and only the last part-tile by a block pointer, whose rows
-past the pass's last slot read as zeros. Given each node's ``ends``, a block of rows reads keys only
-up to its last node's (a prompt chunk's causal triangle is not read).
+warm-up (``chosen_form``), as ``lt_product`` chooses the products' algorithms. The mask and the query
+are read through block pointers: per-element pointer tensors for a [64, 256] tile would hold 128
+registers a thread and spill (``benchmarks/kernel_resources.py`` prints each kernel's registers and
+spills per architecture). So are K and V before Hopper; from Hopper on their whole tiles come by TMA
+(``uses_descriptors``: at head sizes below 256 only for passes of many rows), and only the last part-tile
+by a block pointer, whose rows past the pass's last slot read as zeros. Given each node's ``ends``, a
+block of rows reads keys only up to its last node's (a prompt chunk's causal triangle is not read).
 Tested against SDPA in ``tests/workers/models/test_attention_triton.py`` (GPU-marked).
 """
 
