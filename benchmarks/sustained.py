@@ -11,7 +11,8 @@ replays), after 3 s idle, runs back to back for ``--seconds``, each call timed b
 the median of the calls in the first 0.25 s; sustained: of those in the last second. The SM clock
 and board power come from nvidia-smi right after each run. Each pass is printed against
 max(weight floor, compute floor) measured in the same regime, then what ``lt_product`` chose per
-product shape when the passes were captured.
+product shape when the passes were captured, and (``--attention-form chosen``) the attention's form per
+pass shape with its trial's times.
 """
 
 from __future__ import annotations
