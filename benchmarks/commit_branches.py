@@ -22,11 +22,13 @@ import argparse
 import statistics
 
 import torch
-from gpu_speed import copy_bandwidth, random_tree  # a sibling script: benchmarks/ is on sys.path
+from gpu_speed import copy_bandwidth  # a sibling script: benchmarks/ is on sys.path
 
 from workers.decoding import ddtree, dflash, generation
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import DFlashParams, TreeParams
+from workers.decoding.tree import build_tree
+from workers.models.gdn import MAX_PATH
 from workers.models.runner import loop
 from workers.models.runner.target import StaticTarget
 from workers.models.shapes import build_random_drafter, build_random_target
@@ -59,7 +61,9 @@ def main() -> int:
     vocab, taps = model.config.vocab_size, drafter.spec.target_layer_ids
     prompt = torch.randint(1, vocab - 1, (1, args.context), device=device)
     targets = {b: StaticTarget(model, taps, graphs=True) for b in settings}
-    tree = random_tree(vocab, args.budget + 1).to(device)
+    # from peaked distributions, so that the best-first tree reaches its depth (paths of up to 16 nodes)
+    log_probs = torch.log_softmax(torch.randn(MAX_PATH - 1, vocab, device=device) * 30, dim=-1)
+    tree = build_tree(log_probs, TreeParams(args.budget, max_depth=MAX_PATH - 1)).to(device)
     deepest = int(tree.depths.argmax()) + 1  # node indices count the root as 0
     chain = torch.nonzero(tree.visibility[deepest])[:, 0]  # the root's path to the deepest node
     lengths = [n for n in lengths if n <= chain.shape[0]]

@@ -20,8 +20,9 @@ drafter (5 layers, block 16). Prints, last, one table:
   the goal), then what ``lt_product`` timed and chose per product shape (``--no-lt``: none of it).
 ``--attention-form shared`` runs the attention kernel's shared form, ``chosen`` the form each pass shape's trial
 chose (``attention_triton.SHARED``, key splits by default);
-``--commit-branches N`` a commit's pieces on N streams (``runner.loop.COMMIT_BRANCHES``) and ``--commit-beside``
-each round's commit beside the next draft (``decoding.generation.COMMIT_BESIDE_DRAFT``), both off by default.
+``--commit-branches N`` puts a commit's pieces on N streams (``runner.loop.COMMIT_BRANCHES``) and ``--commit-beside
+on|off`` each round's commit beside the next draft or after it (``decoding.generation.COMMIT_BESIDE_DRAFT``);
+by default both as the modules set them.
 """
 
 from __future__ import annotations
@@ -137,15 +138,20 @@ def main() -> int:
     parser.add_argument("--attention-form", choices=sorted(attention_triton.FORMS),
                         help="the attention's work in key splits, shared among one round of programs, or chosen "
                              "per pass shape on trial (attention_triton.SHARED; default: as the module sets it)")
-    parser.add_argument("--commit-branches", type=int, default=1,
-                        help="a commit's pieces on this many CUDA streams (runner.loop.COMMIT_BRANCHES)")
-    parser.add_argument("--commit-beside", action="store_true",
-                        help="each round's commit beside the next draft (decoding.generation.COMMIT_BESIDE_DRAFT)")
+    parser.add_argument("--commit-branches", type=int,
+                        help="a commit's pieces on this many CUDA streams (runner.loop.COMMIT_BRANCHES; default: "
+                             "as the module sets it)")
+    parser.add_argument("--commit-beside", choices=("on", "off"),
+                        help="each round's commit beside the next draft or after it "
+                             "(decoding.generation.COMMIT_BESIDE_DRAFT; default: as the module sets it)")
     args = parser.parse_args()
     lt_product.ENABLED = not args.no_lt
     if args.attention_form:
         attention_triton.SHARED = attention_triton.FORMS[args.attention_form]
-    loop.COMMIT_BRANCHES, generation.COMMIT_BESIDE_DRAFT = args.commit_branches, args.commit_beside
+    if args.commit_branches is not None:
+        loop.COMMIT_BRANCHES = args.commit_branches
+    if args.commit_beside is not None:
+        generation.COMMIT_BESIDE_DRAFT = args.commit_beside == "on"
     if args.wide_triton:
         from workers.models import wide_triton
 

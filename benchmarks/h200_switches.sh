@@ -1,16 +1,13 @@
 #!/usr/bin/env bash
-# The GPU runs that decide the speed switches built off until an H200 times them, kept here so a session
-# that is lent a machine starts from them (benchmarks/results/wide_passes_h200.md, from the fifteenth
-# session's section on):
+# The GPU runs that decide the speed switches, kept here so a session that is lent a machine starts from
+# them (benchmarks/results/wide_passes_h200.md, from the fifteenth session's section on):
 #   attention_triton.SHARED           the attention's work shared among one round of programs (stream-K), or
-#                                     that form chosen per pass shape on trial (None)
-#   runner.loop.COMMIT_BRANCHES       a commit's pieces (the K/V move, each GDN layer) on several streams
-#   generation.COMMIT_BESIDE_DRAFT    the commit beside the next draft instead of after it
-#   lt_product.WORKSPACE_BYTES        whether cuBLASLt's algorithms that need a workspace (and a memset
-#                                     node before each call in a graph) cost the 8B 257-row pass time
-# Each switch goes on only where its timing shows a gain and its GPU tests pass; a switch that shows none
-# comes out of the code. SHARED's next setting is None (each pass shape's form chosen on trial, on every GPU)
-# once `tests` pass and `ab` finds the chosen forms no slower than the key splits.
+#                                     that form chosen per pass shape on trial (None); off: on an H200 the
+#                                     shared form lost at every pass shape timed (seventeenth session)
+#   runner.loop.COMMIT_BRANCHES       a commit's pieces (the K/V move, each GDN layer) on several streams: 4
+#   generation.COMMIT_BESIDE_DRAFT    the commit beside the next draft instead of after it: on
+# A switch goes on only where its timing shows a gain and its GPU tests pass; on another GPU (an RTX A6000)
+# `tests`, `commit` and `ab` say whether the same holds there.
 #
 # Here (a machine with pip and the internet), once a session:
 #   bash benchmarks/h200_switches.sh wheels      # .whl: fla-core, nvmath-python and their needs, for the device
@@ -20,13 +17,12 @@
 #   bash benchmarks/h200_switches.sh commit      # commit_branches.py on the 27B shape [340 s]
 #   bash benchmarks/h200_switches.sh kernel      # attention_kernels.py --shared: 8B, 27B, 8B prompt chunks [360 s]
 #   bash benchmarks/h200_switches.sh ab SHAPE    # sustained.py, 256 and 257 rows, attention splits / chosen x2 [530 s]
-#   bash benchmarks/h200_switches.sh ws          # the 8B's 257-row pass, workspace algorithms offered or not [530 s]
 #   bash benchmarks/h200_switches.sh goals       # issue 28's goal table on both shapes, with what is on [540 s]
 # Triton's compiled kernels outlive the machine: a call unpacks .device-cache/triton.tar.xz (if carried)
 # into a fixed folder (the cache records absolute paths) and leaves the grown cache in
 # $OUT/triton.tar.xz; copy that back to .device-cache/ before the next call, so it compiles nothing twice.
 set -euo pipefail
-usage="usage: bash benchmarks/h200_switches.sh wheels | MODE... (tests, commit, kernel, ab SHAPE, ws, goals)"
+usage="usage: bash benchmarks/h200_switches.sh wheels | MODE... (tests, commit, kernel, ab SHAPE, goals)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 
 if [ "$1" = wheels ]; then
@@ -67,17 +63,6 @@ ab() {  # $1: the shape; the first run compiles both forms' kernels, which the r
     done
   done
 }
-ws() {
-  limit=170
-  for turn in 1 2; do
-    for switch in "" --no-workspace; do
-      echo "== qwen3-8b, turn $turn, ${switch:-workspace algorithms offered}"
-      timeout $limit python3 benchmarks/sustained.py --shape qwen3-8b --qs 257 --seconds 3 $switch
-      limit=120
-    done
-  done
-}
-
 goals() {  # AR, the 17- and 257-row passes, prefill, DFlash and DDTree rounds (27B: B = 1024, out of reach, left out)
   timeout 200 python3 benchmarks/gpu_speed.py --shape qwen3-8b --qs 17,257 --budgets 255,256,1024 \
     --new-tokens 32 --reps 3
@@ -88,7 +73,7 @@ goals() {  # AR, the 17- and 257-row passes, prefill, DFlash and DDTree rounds (
 modes=()  # checked before anything runs
 while [ $# -gt 0 ]; do
   case "$1" in
-    tests|commit|kernel|ws|goals) modes+=("$1"); shift ;;
+    tests|commit|kernel|goals) modes+=("$1"); shift ;;
     ab) [ $# -ge 2 ] || { echo "ab needs a shape: qwen3-8b or qwen3.6-27b" >&2; exit 2; }
         modes+=("ab $2"); shift 2 ;;
     *) echo "unknown mode $1; $usage" >&2; exit 2 ;;

@@ -1,7 +1,7 @@
 """The floors and the verify passes in a burst and under sustained load, in one process.
 
     python benchmarks/sustained.py [--shape qwen3.6-27b] [--qs 17,257] [--seconds 5]
-        [--attention-form splits|shared|chosen] [--no-workspace]
+        [--attention-form splits|shared|chosen]
 
 A GPU at its power limit lowers its SM clock within a second of compute-bound work, so a pass timed
 in a few calls after idle (``gpu_speed.py``) runs at another clock than the same pass deep in a decode
@@ -98,14 +98,9 @@ def main() -> int:
     parser.add_argument("--attention-form", choices=sorted(attention_triton.FORMS),
                         help="the attention's work in key splits, shared among one round of programs, or chosen "
                              "per pass shape on trial (attention_triton.SHARED; default: as the module sets it)")
-    parser.add_argument("--no-workspace", action="store_true",
-                        help="offer lt_product's chooser only cuBLASLt algorithms without a workspace (no memset "
-                             "node before each call in a graph)")
     args = parser.parse_args()
     if args.attention_form:
         attention_triton.SHARED = attention_triton.FORMS[args.attention_form]
-    if args.no_workspace:
-        lt_product.WORKSPACE_BYTES = 0
     device = torch.device("cuda")
     model = build_random_target(args.shape, torch.bfloat16, device)
     drafter = build_random_drafter(args.shape, model)

@@ -49,7 +49,7 @@ def test_a_device_script_calls_what_exists_with_declared_flags(script: Path):
             unknown = set(FLAG.findall(arguments)) - declared_flags(ROOT / benchmark)
             problems += [f"{benchmark}: {flag} is not one of its options" for flag in sorted(unknown)]
     assert calls, f"{script.name} calls no benchmark: the pattern here no longer matches how it calls them"
-    # flags passed through a variable (``for switch in "" --no-workspace``): some benchmark it calls
+    # flags passed through a variable (``for switch in "" --some-flag``): some benchmark it calls
     called = set().union(*(declared_flags(ROOT / b) for b in set(CALL_PATH.findall(script.read_text()))
                            if (ROOT / b).exists()))
     for line in logical_lines(script.read_text()):

@@ -10,7 +10,7 @@ before them is visible to every row, so its tiles need no mask tile.
 It is a flash-attention forward (online softmax in float32, P rounded to the inputs' dtype for the
 P V product, as SDPA's fused kernels do) over folded rows: query [Hkv, R, D], one program per block
 of rows, K/V head and split of the keys; with few row blocks the keys are split and a second kernel
-merges the partial results by their log-sum-exps. Or (``SHARED``, not yet on) one round of programs
+merges the partial results by their log-sum-exps. Or (``SHARED``, off) one round of programs
 shares the (row block, K/V head, key tile) work evenly, stream-K, and the same merge joins each block's
 parts; or each pass shape takes the faster of the two forms, timed on its first call in a graph's
 warm-up (``chosen_form``), as ``lt_product`` chooses the products' algorithms. The mask and the query
@@ -377,8 +377,8 @@ def supports(query: torch.Tensor, key: torch.Tensor) -> bool:
 # (``split_count``): where whole splits leave part of the GPU idle (the 8B shape's 257-row pass: 2 splits,
 # 272 of 396 programs) or take a second round for a few programs (items outnumbering the resident
 # programs). For a call that names neither ``splits`` nor ``programs``: True shared, False key splits, None
-# chosen per pass shape on the GPU at hand (``chosen_form``). Not yet run on a GPU: off
-# (``benchmarks/attention_kernels.py --shared`` times both forms; ``benchmarks/h200_switches.sh`` has the runs).
+# chosen per pass shape on the GPU at hand (``chosen_form``). Off: on an H200 the shared form lost at every
+# pass shape timed, both head sizes (``docs/gpu.md``; ``benchmarks/h200_switches.sh ab`` runs the trials).
 SHARED: bool | None = False
 FORMS = {"splits": False, "shared": True, "chosen": None}  # SHARED's settings by name (the benchmarks' flag)
 MOST_SEGMENTS = 4  # the most items one program of the shared form holds parts of (its key loops are unrolled)

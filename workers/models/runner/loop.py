@@ -36,8 +36,9 @@ from workers.seam import VerifyOutput, text_config
 
 # A commit's pieces (the K/V rows' move, each GDN layer's path) queued on this many CUDA streams at once
 # (``workers.models.streams``; 1: one after another on the current stream). They are independent, and a
-# GDN layer's kernel is short of work (``benchmarks/commit_branches.py`` times the choice).
-COMMIT_BRANCHES = 1
+# GDN layer's kernel is short of work (``benchmarks/commit_branches.py`` times the choice; the H200's figures
+# are in docs/gpu.md: 4 streams took most of what 8 did off the 27B shape's commit).
+COMMIT_BRANCHES = 4
 
 
 class Loop:
