@@ -18,11 +18,13 @@
 #   bash benchmarks/h200_switches.sh kernel      # attention_kernels.py --shared: 8B, 27B, 8B prompt chunks [360 s]
 #   bash benchmarks/h200_switches.sh ab SHAPE    # sustained.py, 256 and 257 rows, attention splits / chosen x2 [530 s]
 #   bash benchmarks/h200_switches.sh goals       # issue 28's goal table on both shapes, with what is on [540 s]
+#   bash benchmarks/h200_switches.sh profile     # kernels of the wide passes, stages of B = 256 / 1024 rounds [460 s]
+#   bash benchmarks/h200_switches.sh tree        # the tree build per budget and spread of its count; its GPU test [150 s]
 # Triton's compiled kernels outlive the machine: a call unpacks .device-cache/triton.tar.xz (if carried)
 # into a fixed folder (the cache records absolute paths) and leaves the grown cache in
 # $OUT/triton.tar.xz; copy that back to .device-cache/ before the next call, so it compiles nothing twice.
 set -euo pipefail
-usage="usage: bash benchmarks/h200_switches.sh wheels | MODE... (tests, commit, kernel, ab SHAPE, goals)"
+usage="usage: bash benchmarks/h200_switches.sh wheels | MODE... (tests, commit, kernel, ab SHAPE, goals, profile, tree)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 
 if [ "$1" = wheels ]; then
@@ -70,10 +72,24 @@ goals() {  # AR, the 17- and 257-row passes, prefill, DFlash and DDTree rounds (
     --new-tokens 32 --reps 2
 }
 
+profile() {  # where the wide passes and rounds spend their time now: kernel by kernel, stage by stage
+  timeout 140 python3 benchmarks/round_gaps.py --shape qwen3-8b --method ddtree --budget 256 --budget 1024
+  timeout 140 python3 benchmarks/gpu_speed.py --shape qwen3-8b --qs 257,1025 --only-forwards --reps 2 \
+    --profile 257,1025 --top 30
+  timeout 180 python3 benchmarks/gpu_speed.py --shape qwen3.6-27b --qs 257 --only-forwards --reps 2 \
+    --profile 257 --top 40
+}
+
+tree() {  # with .device-run/tree_triton_*.py (say `git show HEAD~1:workers/decoding/tree_triton.py`) beside
+  base=(); for other in .device-run/tree_triton_*.py; do [ -f "$other" ] && base+=(--base "$other"); done
+  timeout 90 python3 benchmarks/tree_build.py --per-sm 1,2 --profile "${base[@]}"
+  timeout 60 python3 -m pytest -q -m gpu tests/workers/decoding/test_tree.py
+}
+
 modes=()  # checked before anything runs
 while [ $# -gt 0 ]; do
   case "$1" in
-    tests|commit|kernel|goals) modes+=("$1"); shift ;;
+    tests|commit|kernel|goals|profile|tree) modes+=("$1"); shift ;;
     ab) [ $# -ge 2 ] || { echo "ab needs a shape: qwen3-8b or qwen3.6-27b" >&2; exit 2; }
         modes+=("ab $2"); shift 2 ;;
     *) echo "unknown mode $1; $usage" >&2; exit 2 ;;

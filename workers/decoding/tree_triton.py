@@ -9,8 +9,9 @@ CUDA graph. Here each depth is two kernels (the count, the writes), the merge on
               c if its score is higher, or equal with c' enumerated first (counted by programs that
               each take a block of candidates and a share of the others); the first ``keep`` places
               are written (score, parent entry, token)
-    merge:    the same count over all depths' entries (depth order, each depth best first) gives
-              each entry's node index; the first ``budget`` become nodes 1..n
+    merge:    the same order over all depths' entries (depth order, each depth best first), each
+              entry's place by a binary search in every depth (each is sorted), gives each entry's
+              node index; the first ``budget`` become nodes 1..n
     finish:   the nodes' tokens, depths, log-probs and parents, and the ancestor matrix (each row
               walks its node's entries up to the root)
 
@@ -24,6 +25,8 @@ than the torch build at B = 1024 (``benchmarks/results/hybrid_speed_h200.md``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -32,6 +35,7 @@ from workers.models.attention_triton import multiprocessors
 from workers.models.pdl_triton import launch_options, wait_for_inputs
 
 BLOCK = 64  # candidates (or entries) per program, and per step of the count
+COUNT_PROGRAMS_PER_SM = 1  # a depth's count spread over this many programs a multiprocessor
 # The kernels' sizes and offsets change with the tree knobs and the depth: they are left unspecialised
 # (``do_not_specialize``), else Triton compiles a variant per divisibility by 16 and per value 1 of each.
 
@@ -98,19 +102,35 @@ def _tree_depth_kernel(TOP_VALS, TOP_IDS, PARENT, RANK, SCORE, PLACE, PARENT_ENT
     tl.store(DEPTH + entry, tl.zeros_like(place).to(tl.int64) + depth, mask=kept)
 
 
-@triton.jit(do_not_specialize=["count", "nodes"])
-def _tree_merge_kernel(SCORE, ORDER, NODE_OF, count, nodes, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Entries [count] in depth order -> ORDER [nodes] (node i+1 = entry ORDER[i]) and NODE_OF [count]
-    (entry -> its node index, for the kept entries)."""
+@triton.jit(do_not_specialize=["count", "nodes", "depths"])
+def _tree_merge_kernel(SCORE, BOUNDS, ORDER, NODE_OF, count, nodes, depths, STEPS: tl.constexpr,
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Entries [count] in depth order, depth d's at BOUNDS[d]..BOUNDS[d+1]-1 best first -> ORDER [nodes]
+    (node i+1 = entry ORDER[i]) and NODE_OF [count] (entry -> its node index, for the kept entries).
+
+    An entry's place is how many entries beat it (a higher score, or an equal one enumerated first),
+    summed over the depths: its own depth's entries before it, and in every other depth, whose scores
+    fall along it, a binary search of STEPS halvings (an earlier depth's equal scores beat it, a later
+    one's do not)."""
     wait_for_inputs(PDL)
     e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = e < count
     score = tl.load(SCORE + e, mask=valid, other=0.0)
     place = tl.zeros((BLOCK,), dtype=tl.int32)
-    for start in range(0, count, BLOCK):
-        other = start + tl.arange(0, BLOCK)
-        in_range = other < count
-        place += _beaten_by(score, e, tl.load(SCORE + other, mask=in_range, other=0.0), other, in_range)
+    for d in range(depths):
+        first, after = tl.load(BOUNDS + d), tl.load(BOUNDS + d + 1)
+        earlier = after <= e  # depth d is enumerated before each entry's own (ties beat it)
+        lo = tl.zeros((BLOCK,), dtype=tl.int32) + first
+        hi = tl.zeros((BLOCK,), dtype=tl.int32) + after
+        for _ in tl.static_range(STEPS):  # lo: the first of depth d's entries that does not beat it
+            open_ = lo < hi
+            mid = (lo + hi) // 2
+            other = tl.load(SCORE + mid, mask=valid & open_, other=0.0)
+            beats = (other > score) | (earlier & (other == score))
+            lo = tl.where(open_ & beats, mid + 1, lo)
+            hi = tl.where(open_ & ~beats, mid, hi)
+        own = (first <= e) & (e < after)
+        place += tl.where(own, e - first, lo - first)
     kept = valid & (place < nodes)
     tl.store(ORDER + place, e.to(tl.int64), mask=kept)
     tl.store(NODE_OF + e, (place + 1).to(tl.int64), mask=kept)
@@ -145,10 +165,20 @@ def _tree_finish_kernel(ORDER, NODE_OF, SCORE, PARENT_ENTRY, TOKEN, DEPTH, TOKEN
 
 def _shares(blocks: int, device: torch.device) -> int:
     """How many shares of the others a depth's count is split into: enough programs to give every
-    multiprocessor one (a count of blocks x blocks steps in one program each was the build's cost,
-    one launch after another: ``benchmarks/gpu_speed.py --profile``), at most one block of others
-    a share."""
-    return max(1, min(blocks, triton.cdiv(multiprocessors(device), blocks)))
+    multiprocessor ``COUNT_PROGRAMS_PER_SM`` (a count of blocks x blocks steps in one program each was
+    the build's cost, one launch after another: ``benchmarks/gpu_speed.py --profile``), at most one
+    block of others a share."""
+    return max(1, min(blocks, triton.cdiv(COUNT_PROGRAMS_PER_SM * multiprocessors(device), blocks)))
+
+
+@functools.lru_cache(maxsize=64)
+def _depth_bounds(keeps: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """[depths + 1] int32: where each depth's entries start, then their count. Cached, as the pairs are
+    (a captured build finds it made by the warm-up before the capture)."""
+    bounds = [0]
+    for keep in keeps:
+        bounds.append(bounds[-1] + keep)
+    return torch.tensor(bounds, dtype=torch.int32).to(device)
 
 
 def best_prefixes(top_vals: torch.Tensor, top_ids: torch.Tensor, budget: int,
@@ -180,8 +210,9 @@ def best_prefixes(top_vals: torch.Tensor, top_ids: torch.Tensor, budget: int,
         parent_offset, offset, first = offset, offset + keep, first + count
     order = torch.empty(nodes, dtype=torch.long, device=device)
     node_of = torch.empty(entries, dtype=torch.long, device=device)
-    _tree_merge_kernel[(triton.cdiv(entries, BLOCK),)](score, order, node_of, entries, nodes, BLOCK=BLOCK, num_warps=4,
-                                                       **launch_options(device))
+    _tree_merge_kernel[(triton.cdiv(entries, BLOCK),)](
+        score, _depth_bounds(tuple(keeps), device), order, node_of, entries, nodes, len(keeps),
+        STEPS=max(keeps).bit_length(), BLOCK=BLOCK, num_warps=4, **launch_options(device))
     tokens, depths = (torch.empty(nodes, dtype=torch.long, device=device) for _ in range(2))
     log_probs = torch.empty(nodes, dtype=torch.float64, device=device)
     parents = torch.empty(nodes + 1, dtype=torch.long, device=device)

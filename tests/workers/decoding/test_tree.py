@@ -428,12 +428,16 @@ def test_follow_tree_rejects_at_root():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_tree_build_kernels_equal_the_torch_build_on_cuda():
     """On CUDA ``build_tree`` runs ``tree_triton``'s kernels: the same tree as the torch build on the
-    same top-K, bit for bit (exact ties included), from budgets of 1 to 1024, also replayed from a graph."""
+    same top-K, bit for bit (exact ties included, within a depth and across depths), from budgets of 1 to
+    1024, also replayed from a graph."""
     from workers.models.graph_cache import capture
 
     rng = np.random.default_rng(3)
     cases = [(rng.normal(size=(15, 5000)) * 3, TreeParams(budget)) for budget in (1, 16, 64, 256, 1024)]
     cases += [(np.round(rng.normal(size=(15, 50)) * 2), TreeParams(200, max_depth=9, branching=6))]  # ties
+    certain = rng.normal(size=(15, 5000)) * 3
+    certain[::3, 0] = 200.0  # every third position certain (log-prob 0): children tie their parents across depths
+    cases += [(certain, TreeParams(budget)) for budget in (64, 1024)]
     for _ in range(30):
         positions, vocab = int(rng.integers(1, 16)), int(rng.integers(2, 300))
         logits = rng.normal(size=(positions, vocab)) * rng.uniform(0.3, 4.0)

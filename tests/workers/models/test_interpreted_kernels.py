@@ -355,7 +355,8 @@ def test_the_plain_layers_small_kernels_equal_their_torch_forms(dtype):
 def test_the_tree_build_kernels_equal_the_torch_build(multiprocessors, monkeypatch):
     """DDTree's tree build (two kernels per depth, the merge, the ancestor matrix) against the torch
     build, field for field and bit for bit, on random drafter rows with and without exact ties (rounded
-    logits) and random budgets, depth caps and branching; each depth's count in one share of the
+    logits; certain positions, whose children tie their parents across depths) and random budgets, depth
+    caps and branching; each depth's count in one share of the
     others per program (the interpreter's one "multiprocessor") or, as on an H200's 132, in shares
     of down to one block."""
     import numpy as np
@@ -376,6 +377,10 @@ def test_the_tree_build_kernels_equal_the_torch_build(multiprocessors, monkeypat
         params = TreeParams(int(rng.integers(1, 80)), depth, branching)
         cases.append((np.round(logits) if case % 2 else logits, params))
     cases.append((rng.normal(size=(15, 40)) * 3, TreeParams(100)))  # a deep tree, more candidates than a block
+    for certain in ((1,), (0, 2, 3)):  # positions whose first token has log-prob 0: a child ties its parent
+        logits = rng.normal(size=(5, 9))
+        logits[list(certain), 0] = 200.0
+        cases += [(logits, TreeParams(budget)) for budget in (7, 30)]
     for logits, params in cases:
         log_probs = torch.log_softmax(torch.tensor(logits, dtype=torch.float32), dim=-1)
         want, got = build_tree(log_probs, params, kernels=False), build_tree(log_probs, params, kernels=True)
