@@ -19,7 +19,7 @@
 #   bash benchmarks/h200_switches.sh ab SHAPE    # sustained.py, 256 and 257 rows, attention splits / chosen x2 [530 s]
 #   bash benchmarks/h200_switches.sh goals       # issue 28's goal table on both shapes, with what is on [540 s]
 #   bash benchmarks/h200_switches.sh profile     # kernels of the wide passes, stages of B = 256 / 1024 rounds [460 s]
-#   bash benchmarks/h200_switches.sh tree        # the tree build per budget and spread of its count; its GPU test [150 s]
+#   bash benchmarks/h200_switches.sh tree        # the tree build per budget and count kernel; its GPU test [150 s]
 # Triton's compiled kernels outlive the machine: a call unpacks .device-cache/triton.tar.xz (if carried)
 # into a fixed folder (the cache records absolute paths) and leaves the grown cache in
 # $OUT/triton.tar.xz; copy that back to .device-cache/ before the next call, so it compiles nothing twice.
@@ -82,7 +82,7 @@ profile() {  # where the wide passes and rounds spend their time now: kernel by 
 
 tree() {  # with .device-run/tree_triton_*.py (say `git show HEAD~1:workers/decoding/tree_triton.py`) beside
   base=(); for other in .device-run/tree_triton_*.py; do [ -f "$other" ] && base+=(--base "$other"); done
-  timeout 90 python3 benchmarks/tree_build.py --per-sm 1,2 --profile "${base[@]}"
+  timeout 90 python3 benchmarks/tree_build.py --wide-from 1,32,9999 --profile "${base[@]}"
   timeout 60 python3 -m pytest -q -m gpu tests/workers/decoding/test_tree.py
 }
 

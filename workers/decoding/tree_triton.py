@@ -7,8 +7,9 @@ CUDA graph. Here each depth is two kernels (the count, the writes), the merge on
     depth d:  candidate c = (kept parent j, token rank r), score = parent score + top_vals[d, r];
               its place in the depth's best-first order = #{candidates that beat it}, where c' beats
               c if its score is higher, or equal with c' enumerated first (counted by programs that
-              each take a block of candidates and a share of the others); the first ``keep`` places
-              are written (score, parent entry, token)
+              each take a block of candidates and a share of the others; a depth of many blocks by
+              a kernel that compares each pair once); the first ``keep`` places are written (score,
+              parent entry, token)
     merge:    the same order over all depths' entries (depth order, each depth best first), each
               entry's place by a binary search in every depth (each is sorted), gives each entry's
               node index; the first ``budget`` become nodes 1..n
@@ -19,8 +20,7 @@ Counting who beats whom is exactly a stable descending sort, so the tree equals 
 bit for bit, ties included (``tests/workers/decoding/test_tree.py`` on a GPU,
 ``tests/workers/models/test_interpreted_kernels.py`` through Triton's CPU interpreter). Scores are
 float64, as in the torch build. The count is quadratic in a depth's candidates (~budget x ln budget)
-but spread over the GPU: cheap next to the launches it replaces up to a few hundred nodes, no faster
-than the torch build at B = 1024 (``benchmarks/results/hybrid_speed_h200.md``).
+but spread over the GPU (``benchmarks/tree_build.py`` times the build per budget).
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ from workers.models.attention_triton import multiprocessors
 from workers.models.pdl_triton import launch_options, wait_for_inputs
 
 BLOCK = 64  # candidates (or entries) per program, and per step of the count
-COUNT_PROGRAMS_PER_SM = 1  # a depth's count spread over this many programs a multiprocessor
+# A depth of at least WIDE_COUNT_BLOCKS blocks of candidates takes _tree_wide_count_kernel, spread over
+# 2 programs a multiprocessor, others _tree_count_kernel over 1 (benchmarks/tree_build.py)
+WIDE_COUNT_BLOCKS = 32
 # The kernels' sizes and offsets change with the tree knobs and the depth: they are left unspecialised
 # (``do_not_specialize``), else Triton compiles a variant per divisibility by 16 and per value 1 of each.
 
@@ -79,6 +81,46 @@ def _tree_count_kernel(TOP_VALS, PARENT, RANK, SCORE, PLACE, count, parent_offse
         _, _, other_score = _load_candidates(SCORE, TOP_VALS, PARENT, RANK, other, in_range, parent_offset, top_row)
         place += _beaten_by(score, c, other_score, other, in_range)
     tl.atomic_add(PLACE + c, place, mask=valid)  # integer sums: the same in any order
+
+
+@triton.jit
+def _others(SCORE, TOP_VALS, PARENT, RANK, start, last, parent_offset, top_row, BLOCK: tl.constexpr):
+    """Scores of candidates start..start+BLOCK-1 and their indices; from ``last`` on the scores read as
+    -inf, so that they beat no candidate enumerated before them."""
+    other = start + tl.arange(0, BLOCK)
+    in_range = other < last
+    _, _, score = _load_candidates(SCORE, TOP_VALS, PARENT, RANK, other, in_range, parent_offset, top_row)
+    return tl.where(in_range, score, float("-inf")), other
+
+
+@triton.jit(do_not_specialize=["count", "parent_offset", "depth", "top_k", "share"])
+def _tree_wide_count_kernel(TOP_VALS, PARENT, RANK, SCORE, PLACE, count, parent_offset, depth, top_k, share,
+                            BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """``_tree_count_kernel`` for a depth of many candidates: the others enumerated before the block beat
+    a candidate where their score is no lower, those after it where it is higher, and only within the
+    block is the order compared. So each pair costs one comparison and one add into a [BLOCK, BLOCK]
+    tile, summed once at the end; where a depth has few blocks, this costs more than it saves."""
+    wait_for_inputs(PDL)
+    block = tl.program_id(0) * BLOCK
+    c = block + tl.arange(0, BLOCK)
+    valid = c < count
+    top_row = (depth - 1) * top_k
+    _, _, score = _load_candidates(SCORE, TOP_VALS, PARENT, RANK, c, valid, parent_offset, top_row)
+    first = tl.program_id(1) * share  # a multiple of BLOCK, as ``block`` is: the others come in whole blocks
+    last = tl.minimum(count, first + share)
+    beaten = tl.zeros((BLOCK, BLOCK), dtype=tl.int32)
+    for start in range(first, tl.minimum(last, block), BLOCK):
+        other_score = _others(SCORE, TOP_VALS, PARENT, RANK, start, last, parent_offset, top_row, BLOCK)[0]
+        beaten += (other_score[None, :] >= score[:, None]).to(tl.int32)
+    if (first <= block) & (block < last):
+        other_score, other = _others(SCORE, TOP_VALS, PARENT, RANK, block, last, parent_offset, top_row, BLOCK)
+        beats = (other_score[None, :] > score[:, None]) | ((other_score[None, :] == score[:, None])
+                                                             & (other[None, :] < c[:, None]))
+        beaten += beats.to(tl.int32)
+    for start in range(tl.maximum(first, block + BLOCK), last, BLOCK):
+        other_score = _others(SCORE, TOP_VALS, PARENT, RANK, start, last, parent_offset, top_row, BLOCK)[0]
+        beaten += (other_score[None, :] > score[:, None]).to(tl.int32)
+    tl.atomic_add(PLACE + c, tl.sum(beaten, axis=1), mask=valid)  # integer sums: the same in any order
 
 
 @triton.jit(do_not_specialize=["count", "keep", "parent_offset", "offset", "depth", "top_k"])
@@ -163,12 +205,12 @@ def _tree_finish_kernel(ORDER, NODE_OF, SCORE, PARENT_ENTRY, TOKEN, DEPTH, TOKEN
              mask=(r <= nodes)[:, None] & (cols <= nodes)[None, :])
 
 
-def _shares(blocks: int, device: torch.device) -> int:
+def _shares(blocks: int, device: torch.device, per_multiprocessor: int) -> int:
     """How many shares of the others a depth's count is split into: enough programs to give every
-    multiprocessor ``COUNT_PROGRAMS_PER_SM`` (a count of blocks x blocks steps in one program each was
-    the build's cost, one launch after another: ``benchmarks/gpu_speed.py --profile``), at most one
-    block of others a share."""
-    return max(1, min(blocks, triton.cdiv(COUNT_PROGRAMS_PER_SM * multiprocessors(device), blocks)))
+    multiprocessor ``per_multiprocessor`` (a count of blocks x blocks steps in one program each was the
+    build's cost, one launch after another: ``benchmarks/gpu_speed.py --profile``), at most one block of
+    others a share."""
+    return max(1, min(blocks, triton.cdiv(per_multiprocessor * multiprocessors(device), blocks)))
 
 
 @functools.lru_cache(maxsize=64)
@@ -200,8 +242,9 @@ def best_prefixes(top_vals: torch.Tensor, top_ids: torch.Tensor, budget: int,
     for depth, ((parent, rank), keep, count) in enumerate(zip(pairs, keeps, counts), 1):
         place = places[first : first + count]
         blocks = triton.cdiv(count, BLOCK)
-        share = BLOCK * triton.cdiv(blocks, _shares(blocks, device))
-        _tree_count_kernel[(blocks, triton.cdiv(count, share))](
+        wide = blocks >= WIDE_COUNT_BLOCKS
+        share = BLOCK * triton.cdiv(blocks, _shares(blocks, device, 2 if wide else 1))
+        (_tree_wide_count_kernel if wide else _tree_count_kernel)[(blocks, triton.cdiv(count, share))](
             top_vals, parent, rank, score, place, count, parent_offset, depth, top_vals.shape[1], share,
             BLOCK=BLOCK, num_warps=4, **launch_options(device))
         _tree_depth_kernel[(blocks,)](

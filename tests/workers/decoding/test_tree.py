@@ -438,6 +438,7 @@ def test_the_tree_build_kernels_equal_the_torch_build_on_cuda():
     certain = rng.normal(size=(15, 5000)) * 3
     certain[::3, 0] = 200.0  # every third position certain (log-prob 0): children tie their parents across depths
     cases += [(certain, TreeParams(budget)) for budget in (64, 1024)]
+    cases += [(np.zeros((4, 3000)), TreeParams(budget)) for budget in (256, 1024)]  # uniform: a depth's candidates tie
     for _ in range(30):
         positions, vocab = int(rng.integers(1, 16)), int(rng.integers(2, 300))
         logits = rng.normal(size=(positions, vocab)) * rng.uniform(0.3, 4.0)

@@ -351,14 +351,15 @@ def test_the_plain_layers_small_kernels_equal_their_torch_forms(dtype):
                 torch.testing.assert_close(got, want, **tolerance)
 
 
+@pytest.mark.parametrize("wide_from", [1, 32])
 @pytest.mark.parametrize("multiprocessors", [1, 132])
-def test_the_tree_build_kernels_equal_the_torch_build(multiprocessors, monkeypatch):
+def test_the_tree_build_kernels_equal_the_torch_build(multiprocessors, wide_from, monkeypatch):
     """DDTree's tree build (two kernels per depth, the merge, the ancestor matrix) against the torch
     build, field for field and bit for bit, on random drafter rows with and without exact ties (rounded
     logits; certain positions, whose children tie their parents across depths) and random budgets, depth
     caps and branching; each depth's count in one share of the
     others per program (the interpreter's one "multiprocessor") or, as on an H200's 132, in shares
-    of down to one block."""
+    of down to one block; by the plain count kernel or the wide one."""
     import numpy as np
 
     from workers.decoding import tree_triton
@@ -366,6 +367,7 @@ def test_the_tree_build_kernels_equal_the_torch_build(multiprocessors, monkeypat
     from workers.decoding.tree import build_tree
 
     monkeypatch.setattr(tree_triton, "multiprocessors", lambda device: multiprocessors)
+    monkeypatch.setattr(tree_triton, "WIDE_COUNT_BLOCKS", wide_from)  # 1: every depth's count the wide kernel's
 
     rng = np.random.default_rng(0)
     cases = []
@@ -377,6 +379,7 @@ def test_the_tree_build_kernels_equal_the_torch_build(multiprocessors, monkeypat
         params = TreeParams(int(rng.integers(1, 80)), depth, branching)
         cases.append((np.round(logits) if case % 2 else logits, params))
     cases.append((rng.normal(size=(15, 40)) * 3, TreeParams(100)))  # a deep tree, more candidates than a block
+    cases.append((np.zeros((3, 100)), TreeParams(80)))  # uniform rows: every candidate of a depth ties, across blocks
     for certain in ((1,), (0, 2, 3)):  # positions whose first token has log-prob 0: a child ties its parent
         logits = rng.normal(size=(5, 9))
         logits[list(certain), 0] = 200.0
