@@ -80,7 +80,8 @@ profile() {  # where the wide passes and rounds spend their time now: kernel by 
     --profile 257 --top 40
 }
 
-tree() {  # with .device-run/tree_triton_*.py (say `git show HEAD~1:workers/decoding/tree_triton.py`) beside
+tree() {  # with .device-run/tree_triton_*.py (say `git show HEAD~1:workers/decoding/tree_triton.py`; git ignores
+          # the folder: add ".device-run" to the call's carry) timed beside the module
   base=(); for other in .device-run/tree_triton_*.py; do [ -f "$other" ] && base+=(--base "$other"); done
   timeout 90 python3 benchmarks/tree_build.py --wide-from 1,32,9999 --profile "${base[@]}"
   timeout 60 python3 -m pytest -q -m gpu tests/workers/decoding/test_tree.py
