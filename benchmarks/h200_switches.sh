@@ -6,6 +6,9 @@
 #                                     shared form lost at every pass shape timed (seventeenth session)
 #   runner.loop.COMMIT_BRANCHES       a commit's pieces (the K/V move, each GDN layer) on several streams: 4
 #   generation.COMMIT_BESIDE_DRAFT    the commit beside the next draft instead of after it: on
+#   gdn_triton.COMMIT_FORM            a GDN layer's commit token by token ("replay") or in the regrouped form
+#                                     ("chunk", built in the twentieth session without a GPU): replay until
+#                                     `commit` times the chunk form
 # A switch goes on only where its timing shows a gain and its GPU tests pass; on another GPU (an RTX A6000)
 # `tests`, `commit` and `ab` say whether the same holds there.
 #
@@ -14,7 +17,7 @@
 # On the device (`run`, carry [".whl", ".device-cache"]), one or more modes a call, in order (their
 # timeouts, in brackets, summed under the call's 600 s: e.g. `tests commit` as a first call):
 #   bash benchmarks/h200_switches.sh tests       # the switches' GPU tests [220 s]
-#   bash benchmarks/h200_switches.sh commit      # commit_branches.py on the 27B shape [340 s]
+#   bash benchmarks/h200_switches.sh commit      # the commit kernels' GPU tests; commit_branches.py, 27B [460 s]
 #   bash benchmarks/h200_switches.sh kernel      # attention_kernels.py --shared: 8B, 27B, 8B prompt chunks [360 s]
 #   bash benchmarks/h200_switches.sh ab SHAPE    # sustained.py, 256 and 257 rows, attention splits / chosen x2 [530 s]
 #   bash benchmarks/h200_switches.sh goals       # issue 28's goal table on both shapes, with what is on [540 s]
@@ -39,10 +42,12 @@ fi
 
 tests() {
   timeout 220 python3 -m pytest -q -n 8 -m gpu tests/workers/models/test_attention_triton.py \
-    tests/workers/models/test_graphs.py tests/workers/models/test_streams.py
+    tests/workers/models/test_graphs.py tests/workers/models/test_streams.py tests/workers/models/test_gdn_triton.py
 }
 commit() {
-  timeout 340 python3 benchmarks/commit_branches.py --shape qwen3.6-27b --branches 1,2,4,8 --lengths 1,8,16
+  timeout 120 python3 -m pytest -q -m gpu tests/workers/models/test_gdn_triton.py -k "commit or tree_kernel"
+  timeout 340 python3 benchmarks/commit_branches.py --shape qwen3.6-27b --branches 1,4 --forms replay,chunk \
+    --lengths 1,8,16
 }
 kernel() {
   timeout 120 python3 benchmarks/attention_kernels.py --shape qwen3-8b --capacity 3072 \

@@ -117,11 +117,12 @@ def gdn_launches(shape: dict, parents: torch.Tensor) -> list[Launch]:
     with recording(gdn_triton, "_chain_state_kernel", "GDN AR step (1 token)", out):
         gdn_triton.advance_state(torch.zeros(hk, 1, d), torch.zeros(hk, 1, d), torch.zeros(h, 1, d),
                                  torch.zeros(1, h), torch.zeros(1, h, dtype=bf16), state)
-    for count in (1, 16):
-        with recording(gdn_triton, "_commit_kernel", f"GDN commit ({count} nodes)", out):
+    for count, form in ((1, "replay"), (16, "replay"), (16, "chunk")):
+        with (recording(gdn_triton, "_commit_kernel", f"GDN commit ({count} nodes)", out),
+              recording(gdn_triton, "_commit_chunk_kernel", "GDN commit, regrouped (any length)", out)):
             gdn_triton.commit_path(torch.zeros(taps - 1 + q, channels, dtype=bf16), torch.arange(count),
                                    torch.zeros(channels, taps, dtype=bf16), None, g, beta, state,
-                                   torch.zeros(taps - 1, channels, dtype=bf16), hk)
+                                   torch.zeros(taps - 1, channels, dtype=bf16), hk, form=form)
     return out
 
 
@@ -190,12 +191,15 @@ def launches(shape: dict, q: int = 257) -> list[Launch]:
         with (recording(tree_shape_triton, "_tree_count_places_kernel", "tree shape: paths, places", out),
               recording(tree_shape_triton, "_tree_block_slots_kernel", "tree shape: blocks", out)):
             tree_shape_triton.tree_shape(parents, shape["linear_conv_kernel_dim"] - 1, gdn.MAX_PATH)
-    tree: list[Launch] = []  # DDTree's build at B = q - 1: two launches per depth, the merge, the outputs
+    tree: list[Launch] = []  # DDTree's build at B = q - 1 and B = 1024: two launches per depth, the merge, the outputs
     with (recording(tree_triton, "_tree_count_kernel", "tree build: a depth's count", tree),
+          recording(tree_triton, "_tree_wide_count_kernel", "tree build: a wide depth's count", tree),
           recording(tree_triton, "_tree_depth_kernel", "tree build: a depth", tree),
           recording(tree_triton, "_tree_merge_kernel", "tree build: the merge", tree),
           recording(tree_triton, "_tree_finish_kernel", "tree build: nodes, ancestors", tree)):
-        build_tree(torch.log_softmax(torch.randn(15, shape["vocab_size"]), dim=-1), TreeParams(q - 1), kernels=True)
+        for budget in (q - 1, 1024):  # at 1024 the widest depths take the wide count
+            build_tree(torch.log_softmax(torch.randn(15, shape["vocab_size"]), dim=-1), TreeParams(budget),
+                       kernels=True)
     return out + list({launch.label: launch for launch in tree}.values())
 
 

@@ -17,6 +17,14 @@ def random_tree_parents(q: int, depth: int, generator: torch.Generator) -> torch
     return torch.tensor(parents)
 
 
+def deep_tree_parents(q: int, generator: torch.Generator) -> torch.Tensor:
+    """[q >= 17] parents of a tree with a 16-node chain (nodes 0..15, the deepest path a pass handles) and
+    q - 16 random nodes hung under node 3, no deeper than 15. Random trees seldom pass depth 6, where a
+    solve's L^8 term first weighs."""
+    branch = random_tree_parents(q - 16, 11, generator)
+    return torch.cat((torch.arange(-1, 15), torch.where(branch < 0, 3, branch + 16)))
+
+
 def attention_pass_inputs(heads: int, groups: int, q: int, capacity: int, length: int, dim: int, dtype,
                           seed: int, device: str = "cuda", causal: bool = False, ends: bool = False):
     """A verify pass's folded attention after ``length`` committed tokens: (query [Hkv, g*q, D], key,

@@ -26,6 +26,7 @@ but spread over the GPU (``benchmarks/tree_build.py`` times the build per budget
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import triton
@@ -53,11 +54,16 @@ def _load_candidates(SCORE, TOP_VALS, PARENT, RANK, c, valid, parent_offset, top
 
 
 @triton.jit
+def _beats(score, e, other_score, other):
+    """[n, m] whether each other beats each entry e: a higher score, or an equal one enumerated first."""
+    return (other_score[None, :] > score[:, None]) | ((other_score[None, :] == score[:, None])
+                                                      & (other[None, :] < e[:, None]))
+
+
+@triton.jit
 def _beaten_by(score, e, other_score, other, in_range):
-    """[n] how many of the others beat each entry e: a higher score, or an equal one enumerated first."""
-    beats = (other_score[None, :] > score[:, None]) | ((other_score[None, :] == score[:, None])
-                                                         & (other[None, :] < e[:, None]))
-    return tl.sum((beats & in_range[None, :]).to(tl.int32), axis=1)
+    """[n] how many of the others (where ``in_range``) beat each entry e."""
+    return tl.sum((_beats(score, e, other_score, other) & in_range[None, :]).to(tl.int32), axis=1)
 
 
 @triton.jit(do_not_specialize=["count", "parent_offset", "depth", "top_k", "share"])
@@ -114,9 +120,7 @@ def _tree_wide_count_kernel(TOP_VALS, PARENT, RANK, SCORE, PLACE, count, parent_
         beaten += (other_score[None, :] >= score[:, None]).to(tl.int32)
     if (first <= block) & (block < last):
         other_score, other = _others(SCORE, TOP_VALS, PARENT, RANK, block, last, parent_offset, top_row, BLOCK)
-        beats = (other_score[None, :] > score[:, None]) | ((other_score[None, :] == score[:, None])
-                                                             & (other[None, :] < c[:, None]))
-        beaten += beats.to(tl.int32)
+        beaten += _beats(score, c, other_score, other).to(tl.int32)
     for start in range(tl.maximum(first, block + BLOCK), last, BLOCK):
         other_score = _others(SCORE, TOP_VALS, PARENT, RANK, start, last, parent_offset, top_row, BLOCK)[0]
         beaten += (other_score[None, :] > score[:, None]).to(tl.int32)
@@ -217,10 +221,7 @@ def _shares(blocks: int, device: torch.device, per_multiprocessor: int) -> int:
 def _depth_bounds(keeps: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """[depths + 1] int32: where each depth's entries start, then their count. Cached, as the pairs are
     (a captured build finds it made by the warm-up before the capture)."""
-    bounds = [0]
-    for keep in keeps:
-        bounds.append(bounds[-1] + keep)
-    return torch.tensor(bounds, dtype=torch.int32).to(device)
+    return torch.tensor(list(itertools.accumulate(keeps, initial=0)), dtype=torch.int32).to(device)
 
 
 def best_prefixes(top_vals: torch.Tensor, top_ids: torch.Tensor, budget: int,

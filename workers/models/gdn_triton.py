@@ -17,6 +17,10 @@ exp(G) q_ S0 + w r regrouped so that only the nodes' rows meet the committed sta
 tensor-core products of 32-wide tiles, nothing written but the outputs. Where the root is apart from the
 blocks (``tree_blocks.root_apart``), one more program per head gives its output. The torch form in
 ``gdn`` is the reference it is tested against (``tests/workers/models/test_gdn_triton.py``).
+
+``commit_path``: after a pass, one layer's (state, conv window) advanced over the accepted path in one
+kernel, token by token (``_commit_kernel``) or the whole path at once in the same regrouped form as the
+tree solve (``_commit_chunk_kernel``); ``COMMIT_FORM`` picks.
 """
 
 from __future__ import annotations
@@ -31,6 +35,13 @@ from workers.models.pdl_triton import launch_options, wait_for_inputs
 from workers.models.tree_blocks import TREE_BLOCK, tree_blocks
 
 TREE_WARPS = 4
+# A commit's form: "replay" (``_commit_kernel``, the path token by token; the timed default) or "chunk"
+# (``_commit_chunk_kernel``, the regrouped form, about flat in the path's length; not yet timed on a GPU:
+# ``benchmarks/commit_branches.py --forms replay,chunk``). The chunk form's products run in three-pass
+# tf32, as accurate as float32: the state it writes is carried into every later round.
+COMMIT_FORM = "replay"
+COMMIT_PRECISION = "ieee"
+COMMIT_CHUNK_WARPS = 4
 PRODUCT_STEP = 32  # the tree kernel's step along dk in its products with the committed state
 PROLOGUE_NODES = 4  # nodes per program of the conv prologue
 PROLOGUE_WARPS = 1
@@ -423,13 +434,17 @@ def _commit_kernel(EXT, PATH, W, BIAS, G, BETA, S, WIN, channels, count: tl.cons
         delta = tl.load(BETA + node * HEADS + h).to(tl.float32) * (value - tl.sum(state * key[:, None], axis=0))
         state += key[:, None] * delta[None, :]
     tl.store(block, state)
-    # the new window: the last WINDOW rows of cat(window, path inputs); this program writes its value
-    # columns, and the first value head of each key head that key head's q and k columns
+    _store_window(EXT, PATH, WIN, channels, count, h, hk, cols, value_channels, KEY_HEADS, REPEAT, D, WINDOW)
+
+
+@triton.jit
+def _store_window(EXT, PATH, WIN, channels, count, h, hk, cols, value_channels, KEY_HEADS: tl.constexpr,
+                  REPEAT: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr):
+    """A commit's new conv window: the last WINDOW rows of cat(window, path inputs). Program (h, cols)
+    writes its value columns, and the first value head of each key head that key head's q and k columns."""
     for i in tl.static_range(WINDOW):
-        if count + i < WINDOW:
-            row = count + i
-        else:
-            row = WINDOW + tl.load(PATH + (count + i - WINDOW))
+        past = count + i - WINDOW  # >= 0: the path's node at that index; else the old window's row count + i
+        row = tl.where(past < 0, count + i, WINDOW + tl.load(PATH + tl.maximum(past, 0)))
         tl.store(WIN + i * channels + value_channels, tl.load(EXT + row * channels + value_channels))
         if h % REPEAT == 0:
             for part in tl.static_range(2):
@@ -437,15 +452,106 @@ def _commit_kernel(EXT, PATH, W, BIAS, G, BETA, S, WIN, channels, count: tl.cons
                 tl.store(WIN + i * channels + qk_channels, tl.load(EXT + row * channels + qk_channels))
 
 
+@triton.jit
+def _path_conv(EXT, W, BIAS, PATH, channels, chans, t, on, TAPS: tl.constexpr, WINDOW: tl.constexpr,
+               HAS_BIAS: tl.constexpr):
+    """The conv over a path, then SiLU, of the channels ``chans`` [C] for the path's tokens ``t`` [N]
+    (where ``on``): [N, C] float32, rounded to EXT's dtype as the prologue rounds them. A token's taps
+    are the path's own inputs back to the root, then the committed window's rows."""
+    acc = tl.zeros((t.shape[0], chans.shape[0]), dtype=tl.float32)
+    for lag in tl.static_range(TAPS):
+        j = t - lag
+        node = tl.load(PATH + tl.maximum(j, 0), mask=on, other=0).to(tl.int32)
+        row = tl.where(j >= 0, WINDOW + node, WINDOW + j)
+        tap = tl.load(W + chans * TAPS + (TAPS - 1 - lag)).to(tl.float32)
+        acc += tl.load(EXT + row[:, None] * channels + chans[None, :], mask=on[:, None], other=0.0).to(tl.float32) \
+            * tap[None, :]
+    if HAS_BIAS:
+        acc += tl.load(BIAS + chans).to(tl.float32)[None, :]
+    return tl.where(on[:, None], (acc * tl.sigmoid(acc)).to(EXT.dtype.element_ty).to(tl.float32), 0.0)
+
+
+@triton.jit(do_not_specialize=["count"])
+def _commit_chunk_kernel(EXT, PATH, W, BIAS, G, BETA, S, WIN, channels, count, KEY_HEADS: tl.constexpr,
+                         HEADS: tl.constexpr, REPEAT: tl.constexpr, D: tl.constexpr, BV: tl.constexpr,
+                         BK: tl.constexpr, N: tl.constexpr, FACTORS: tl.constexpr, TAPS: tl.constexpr,
+                         WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """``_commit_kernel``'s commit in the tree kernel's regrouped form: the whole path at once, not token
+    by token, so its time hardly grows with the path's length (``count`` <= N, a runtime value: one
+    compile serves every length). With K [N, D] the path's normalised keys, its deltas x [N, BV] solve
+    (I + L) x = r, L[t, m] = beta_t exp(G_t - G_m) k_t.k_m (m < t), r_t = beta_t (v_t - exp(G_t) k_t S0),
+    by the nilpotent product as in ``_block_outputs``; then S = exp(G_n) S0 + (exp(G_n - G) K)^T x. Along
+    D in steps of BK (whole [N, D] key tiles in three-pass tf32 spill): the keys' Gram matrix and K S0
+    from raw keys, scaled by the norms after; the update recomputes each step's keys. Rows past
+    ``count`` load nothing and have beta = 0."""
+    wait_for_inputs(PDL)
+    h = tl.program_id(0)
+    cols = tl.program_id(1) * BV + tl.arange(0, BV)
+    t = tl.arange(0, N)
+    on = t < count
+    hk = h // REPEAT
+    key_channels = KEY_HEADS * D + hk * D  # q heads, then k heads, then v heads
+    value_channels = 2 * KEY_HEADS * D + h * D + cols
+    state_block = S + h * D * D + cols[None, :]
+    squares = tl.zeros((N,), dtype=tl.float32)
+    gram = tl.zeros((N, N), dtype=tl.float32)
+    keys_state = tl.zeros((N, BV), dtype=tl.float32)  # K S0 (raw keys)
+    for step in range(0, D, BK):
+        ds = step + tl.arange(0, BK)
+        keys = _path_conv(EXT, W, BIAS, PATH, channels, key_channels + ds, t, on, TAPS, WINDOW, HAS_BIAS)
+        squares += tl.sum(keys * keys, axis=1)
+        gram = tl.dot(keys, tl.trans(keys), gram, input_precision=PRECISION)
+        keys_state = tl.dot(keys, tl.load(state_block + ds[:, None] * D), keys_state, input_precision=PRECISION)
+    norm = tl.rsqrt(squares + 1e-6)  # the keys' l2 norms, as the prologue takes them
+    gram = gram * norm[:, None] * norm[None, :]
+    values = _path_conv(EXT, W, BIAS, PATH, channels, value_channels, t, on, TAPS, WINDOW, HAS_BIAS)
+    node = tl.load(PATH + t, mask=on, other=0)
+    g = tl.load(G + node * HEADS + h, mask=on, other=0.0)
+    beta = tl.load(BETA + node * HEADS + h, mask=on, other=0.0).to(tl.float32)
+    G_path = tl.sum(tl.where(t[None, :] <= t[:, None], g[None, :], 0.0), axis=1)  # [N] the path sums of g
+    G_end = tl.sum(g, axis=0)
+    earlier = t[None, :] < t[:, None]  # [N, N]: m before t
+    L = tl.where(earlier, beta[:, None] * tl.exp(tl.where(earlier, G_path[:, None] - G_path[None, :], 0.0)) * gram,
+                 0.0)
+    x = beta[:, None] * (values - (tl.exp(G_path) * norm)[:, None] * keys_state)
+    x = x - tl.dot(L, x, input_precision=PRECISION)  # (I + L)^-1 r = (I + L^8)(I + L^4)(I + L^2)(I - L) r
+    power = L
+    for _ in tl.static_range(FACTORS - 1):
+        power = tl.dot(power, power, input_precision=PRECISION)
+        x = x + tl.dot(power, x, input_precision=PRECISION)
+    weight = norm * tl.exp(G_end - G_path)  # [N] on the raw keys
+    for step in range(0, D, BK):
+        ds = step + tl.arange(0, BK)
+        keys = _path_conv(EXT, W, BIAS, PATH, channels, key_channels + ds, t, on, TAPS, WINDOW, HAS_BIAS)
+        block = state_block + ds[:, None] * D
+        tl.store(block, tl.dot(tl.trans(keys * weight[:, None]), x, tl.load(block) * tl.exp(G_end),
+                               input_precision=PRECISION))
+    _store_window(EXT, PATH, WIN, channels, count, h, hk, cols, value_channels, KEY_HEADS, REPEAT, D, WINDOW)
+
+
 def commit_path(extended: torch.Tensor, path: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 log_gate: torch.Tensor, beta: torch.Tensor, state: torch.Tensor, window: torch.Tensor,
-                key_heads: int) -> None:
+                key_heads: int, form: str | None = None) -> None:
     """One GDN layer's commit in one kernel: (window, state) advanced in place over the nodes ``path``
     [c] (root ... accepted node) of the pass that kept ``extended`` [K-1+q, C] (its window, then its
-    node inputs), ``log_gate`` / ``beta`` [q, H]; ``weight`` [C, K] the depthwise conv, dk = dv."""
+    node inputs), ``log_gate`` / ``beta`` [q, H]; ``weight`` [C, K] the depthwise conv, dk = dv.
+    ``form`` (default ``COMMIT_FORM``): "replay", token by token; "chunk", the regrouped form."""
     heads, dk, dv = state.shape
     count, taps = path.shape[0], weight.shape[1]
     block = min(dv, 32)
+    form = form or COMMIT_FORM
+    if form == "chunk":
+        rows = triton.next_power_of_2(max(count, 16))  # tl.dot's least side is 16
+        _commit_chunk_kernel[(heads, dv // block)](
+            extended, path, weight.contiguous(), bias if bias is not None else weight, log_gate, beta, state,
+            window, extended.shape[1], count,
+            KEY_HEADS=key_heads, HEADS=heads, REPEAT=heads // key_heads, D=dk, BV=block, BK=min(dk, 32), N=rows,
+            FACTORS=max(1, (rows - 1).bit_length()), TAPS=taps, WINDOW=taps - 1, HAS_BIAS=bias is not None,
+            PRECISION=COMMIT_PRECISION, num_warps=COMMIT_CHUNK_WARPS, **launch_options(state.device),
+        )
+        return
+    if form != "replay":
+        raise ValueError(f"commit form {form!r}: expected 'replay' or 'chunk'")
     _commit_kernel[(heads, dv // block)](
         extended, path, weight.contiguous(), bias if bias is not None else weight, log_gate, beta, state, window,
         extended.shape[1], count,
@@ -454,16 +560,16 @@ def commit_path(extended: torch.Tensor, path: torch.Tensor, weight: torch.Tensor
     )
 
 
-_COMPILED_COMMITS: set[tuple] = set()  # (key heads, heads, head dim, taps, dtype, bias, device) compiled
+_COMPILED_COMMITS: set[tuple] = set()  # (key heads, heads, head dim, taps, dtype, bias, device, form) compiled
 
 
 def compile_commit_lengths(key_heads: int, heads: int, head_dim: int, taps: int, dtype: torch.dtype,
                            has_bias: bool, device: torch.device, longest: int = 16) -> None:
     """Compile ``commit_path``'s kernel for every path length 1..``longest`` (and ``advance_state``'s for AR's
-    one token) once per process. The length is a compile-time constant of the kernels, so the first commit
-    of each new accepted length would otherwise compile a variant (about half a second) inside a timed
-    round. Runs the kernels on zeros of the real layouts."""
-    key = (key_heads, heads, head_dim, taps, dtype, has_bias, str(device))
+    one token) once per process and commit form. The replay form's length is a compile-time constant, so
+    the first commit of each new accepted length would otherwise compile a variant (about half a second)
+    inside a timed round (the chunk form compiles once). Runs the kernels on zeros of the real layouts."""
+    key = (key_heads, heads, head_dim, taps, dtype, has_bias, str(device), COMMIT_FORM)
     if key in _COMPILED_COMMITS:
         return
     channels = (2 * key_heads + heads) * head_dim

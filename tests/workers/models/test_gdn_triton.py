@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from tests.helpers.kernel_inputs import random_tree_parents
+from tests.helpers.kernel_inputs import deep_tree_parents, random_tree_parents
 from workers.models.gdn import MAX_PATH, ancestor_table, tree_delta_rule
 
 pytestmark = [
@@ -22,14 +22,16 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("q, depth, dk, dv", [(1, 1, 16, 16), (17, 15, 128, 128), (257, 15, 128, 128),
-                                              (300, 6, 64, 32)])
+                                              (300, 6, 64, 32), (80, "deep", 128, 128)])
 def test_triton_tree_kernel_equals_the_torch_path(q, depth, dk, dv):
+    """The deep case: 16-node paths, aligned keys and slow decay, where every factor of the solve weighs."""
     g = torch.Generator().manual_seed(q)
     hk, h = 4, 12
-    parents = random_tree_parents(q, min(depth, MAX_PATH - 1), g)
-    inputs = [torch.randn(q, hk, dk, generator=g), torch.randn(q, hk, dk, generator=g),
-              torch.randn(q, h, dv, generator=g), -torch.rand(q, h, generator=g) * 2, torch.rand(q, h, generator=g),
-              torch.randn(h, dk, dv, generator=g) * 0.3]
+    deep = depth == "deep"
+    parents = deep_tree_parents(q, g) if deep else random_tree_parents(q, min(depth, MAX_PATH - 1), g)
+    inputs = [torch.randn(q, hk, dk, generator=g), torch.randn(q, hk, dk, generator=g) + 3 * deep,
+              torch.randn(q, h, dv, generator=g), -torch.rand(q, h, generator=g) * (0.05 if deep else 2),
+              torch.rand(q, h, generator=g), torch.randn(h, dk, dv, generator=g) * 0.3]
     cuda = [x.cuda() for x in inputs]
     ancestors = ancestor_table(parents).cuda()
     want = tree_delta_rule(*cuda, ancestors, use_triton=False)
@@ -205,28 +207,33 @@ def test_a_cpu_built_shape_moved_to_cuda_equals_one_built_there(q, chain, commit
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("form", ["replay", "chunk"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_commit_through_the_kernels_equals_the_chunked_replay(bias):
-    """A commit's path through the one-kernel commit (conv over the path, the recurrence in registers,
-    the new conv window) against the torch chunked replay, paths of 1 to 16 nodes."""
+def test_commit_through_the_kernels_equals_the_chunked_replay(bias, form, monkeypatch):
+    """A commit's path through the one-kernel commit (conv over the path, the recurrence in registers or
+    the regrouped solve, the new conv window) against the torch chunked replay, paths of 1 to 16 nodes.
+    Slow decay and (with the bias) aligned keys, so that the whole path weighs in the solve."""
+    from workers.models import gdn_triton
     from workers.models.gdn import TreeShape
     from workers.models.gdn_layer import gdn_layer_for
     from workers.models.shapes import build_random_target
 
+    monkeypatch.setattr(gdn_triton, "COMMIT_FORM", form)
     model = build_random_target("qwen3.6-mini", torch.float32, torch.device("cuda"))
     mixer = model.model.layers[0].linear_attn
+    mixer.A_log.data.fill_(-4.0)
     if bias:  # Qwen3.5's conv has none; the kernel takes one as transformers' module allows
-        mixer.conv1d.bias = torch.nn.Parameter(torch.randn(mixer.conv_dim, device="cuda") * 0.1)
+        mixer.conv1d.bias = torch.nn.Parameter(torch.randn(mixer.conv_dim, device="cuda") * 0.1 + 2.0)
     layer = gdn_layer_for(mixer)
     generator = torch.Generator().manual_seed(8)
     q = 48
-    parents = random_tree_parents(q, 15, generator)
+    parents = deep_tree_parents(q, generator)
     hidden = torch.randn(1, q, 256, generator=generator).cuda()
     shape = TreeShape.build(parents.cuda(), layer.window, chain=False)
     window0 = torch.randn(layer.window, layer.conv_dim, generator=generator).cuda()
     state0 = (torch.randn(layer.state_shape, generator=generator) * 0.3).cuda()
-    deepest = max(range(q), key=lambda n: int(ancestor_table(parents)[n].lt(q).sum()))
-    for node in (0, 1, 5, q - 1, deepest):
+    deepest = max(range(16, q), key=lambda n: int(ancestor_table(parents)[n].lt(q).sum()))
+    for node in (0, 1, 5, 12, 15, q - 1, deepest):
         path = [node]
         while parents[path[-1]] >= 0:
             path.append(int(parents[path[-1]]))
@@ -256,7 +263,7 @@ def test_a_gdn_layer_on_cuda_compiles_every_commit_length_up_front():
     layer = GDNLayer(mixer)
     assert layer.kernels
     key = (mixer.num_k_heads, mixer.num_v_heads, mixer.head_k_dim, mixer.conv_kernel_size, torch.bfloat16,
-           mixer.conv1d.bias is not None, "cuda:0")
+           mixer.conv1d.bias is not None, "cuda:0", gdn_triton.COMMIT_FORM)
     assert key in gdn_triton._COMPILED_COMMITS
     size = len(gdn_triton._COMPILED_COMMITS)
     GDNLayer(model.model.layers[1].linear_attn)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers.kernel_inputs import attention_pass_inputs, random_tree_parents
+from tests.helpers.kernel_inputs import attention_pass_inputs, deep_tree_parents, random_tree_parents
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
@@ -45,19 +45,21 @@ def interpreter_reads_one_element_bounds():
 
 
 @pytest.mark.parametrize(("q", "depth", "dk", "dv"), [(1, 1, 16, 16), (17, 15, 32, 32), (33, 4, 32, 32),
-                                                     (70, 15, 32, 16), (300, 6, 16, 32)])
+                                                     (70, 15, 32, 16), (300, 6, 16, 32), (40, "deep", 32, 32)])
 def test_the_tree_kernel_equals_the_torch_tree_form(q, depth, dk, dv):
     """tree_outputs (the blocked solve with its state products), without and with the gated norm in its
     epilogue, against the per-node torch form; at 17 and 33 nodes the root is apart from the blocks,
-    with a program of its own."""
+    with a program of its own. The deep case has 16-node paths, aligned keys and slow decay, so that
+    every factor of the solve's nilpotent product weighs in."""
     from workers.models.gdn import ancestor_table, l2_normalize, tree_delta_rule
     from workers.models.gdn_triton import gated_norm, tree_outputs
 
     g = torch.Generator().manual_seed(q)
     hk, h = 2, 6
-    parents = random_tree_parents(q, depth, g)
-    query, key = torch.randn(q, hk, dk, generator=g), torch.randn(q, hk, dk, generator=g)
-    value, log_gate = torch.randn(q, h, dv, generator=g), -torch.rand(q, h, generator=g) * 2
+    deep = depth == "deep"
+    parents = deep_tree_parents(q, g) if deep else random_tree_parents(q, depth, g)
+    query, key = torch.randn(q, hk, dk, generator=g), torch.randn(q, hk, dk, generator=g) + 3 * deep
+    value, log_gate = torch.randn(q, h, dv, generator=g), -torch.rand(q, h, generator=g) * (0.05 if deep else 2)
     beta, state = torch.rand(q, h, generator=g), torch.randn(h, dk, dv, generator=g) * 0.3
     ancestors = ancestor_table(parents)
     want = tree_delta_rule(query, key, value, log_gate, beta, state, ancestors, use_triton=False)
@@ -277,6 +279,53 @@ def test_a_gdn_layer_through_the_kernels_equals_its_torch_path(chain, q):
     if chain:
         assert relative(got_state, want_state) < 1e-5
         assert torch.equal(got_window, want_window)
+
+
+@pytest.mark.parametrize(("form", "bias"), [("replay", False), ("chunk", False), ("chunk", True)])
+@torch.inference_mode()
+def test_a_commit_through_the_kernels_equals_the_torch_commit(form, bias):
+    """A GDN layer's commit of a tree pass's path (conv over the path, the delta rule from the committed
+    state, the new conv window), token by token or in the regrouped form, against the torch commit:
+    every length 1..16 along the deepest path, and a path that leaves the tree's first branch."""
+    from workers.models.gdn import TreeShape, ancestor_table
+    from workers.models.gdn_layer import gdn_layer_for
+    from workers.models.shapes import build_random_target
+
+    model = build_random_target("qwen3.6-mini", torch.float32, torch.device("cpu"))
+    mixer = model.model.layers[0].linear_attn
+    g = torch.Generator().manual_seed(11)
+    mixer.A_log.data.fill_(-4.0)  # slow decay, and (below) aligned keys: L's powers up to L^8 weigh in the
+    # solve (with random weights they sit below the tolerance, and a solve short of a factor passes)
+    if bias:  # Qwen3.5's conv has none; transformers' module allows one
+        mixer.conv1d.bias = nn.Parameter(torch.randn(mixer.conv_dim, generator=g) * 0.1 + 2.0)
+    layer = gdn_layer_for(mixer)
+    q = 40
+    parents = deep_tree_parents(q, g)
+    hidden = torch.randn(1, q, model.config.hidden_size, generator=g)
+    shape = TreeShape.build(parents, layer.window, chain=False)
+    window0 = torch.randn(layer.window, layer.conv_dim, generator=g)
+    state0 = torch.randn(layer.state_shape, generator=g) * 0.3
+    pending = layer(hidden, shape, window0.clone(), state0.clone())[1]
+    table = ancestor_table(parents)
+    deepest = max(range(16, q), key=lambda n: int(table[n].lt(q).sum()))
+    branch_path = sorted(int(a) for a in table[deepest] if a < q)  # ancestors come before a node in the order
+    assert len(branch_path) > 6 and branch_path[4] >= 16
+    for nodes in [list(range(length)) for length in range(1, 17)] + [branch_path]:
+        results = []
+        for kernels in (False, True):
+            layer.kernels = kernels
+            window, state = window0.clone(), state0.clone()
+            if kernels:
+                from workers.models.gdn_triton import commit_path
+
+                commit_path(pending.extended, torch.tensor(nodes), mixer.conv1d.weight[:, 0, :], mixer.conv1d.bias,
+                            pending.log_gate, pending.beta, state, window, mixer.num_k_heads, form=form)
+            else:
+                layer.commit(pending, torch.tensor(nodes), window, state)
+            results.append((state, window))
+        (want_state, want_window), (got_state, got_window) = results
+        assert relative(got_state, want_state) < 1e-5, len(nodes)
+        assert torch.equal(got_window, want_window), len(nodes)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
