@@ -37,8 +37,8 @@ from workers.models.tree_blocks import TREE_BLOCK, tree_blocks
 TREE_WARPS = 4
 # A commit's form: "replay" (``_commit_kernel``, the path token by token; the timed default) or "chunk"
 # (``_commit_chunk_kernel``, the regrouped form, about flat in the path's length; not yet timed on a GPU:
-# ``benchmarks/commit_branches.py --forms replay,chunk``). The chunk form's products run in three-pass
-# tf32, as accurate as float32: the state it writes is carried into every later round.
+# ``benchmarks/commit_branches.py --forms replay,chunk``). The chunk form's products run in float32 FMA
+# ("ieee"), not tf32: the state it writes is carried into every later round.
 COMMIT_FORM = "replay"
 COMMIT_PRECISION = "ieee"
 COMMIT_CHUNK_WARPS = 4
@@ -481,9 +481,9 @@ def _commit_chunk_kernel(EXT, PATH, W, BIAS, G, BETA, S, WIN, channels, count, K
     compile serves every length). With K [N, D] the path's normalised keys, its deltas x [N, BV] solve
     (I + L) x = r, L[t, m] = beta_t exp(G_t - G_m) k_t.k_m (m < t), r_t = beta_t (v_t - exp(G_t) k_t S0),
     by the nilpotent product as in ``_block_outputs``; then S = exp(G_n) S0 + (exp(G_n - G) K)^T x. Along
-    D in steps of BK (whole [N, D] key tiles in three-pass tf32 spill): the keys' Gram matrix and K S0
-    from raw keys, scaled by the norms after; the update recomputes each step's keys. Rows past
-    ``count`` load nothing and have beta = 0."""
+    D in steps of BK (whole [N, D] key tiles spill registers): the keys' Gram matrix and K S0 from the
+    raw keys, scaled by their norms after; the update recomputes each step's keys. Rows past ``count``
+    load nothing and have beta = 0."""
     wait_for_inputs(PDL)
     h = tl.program_id(0)
     cols = tl.program_id(1) * BV + tl.arange(0, BV)
