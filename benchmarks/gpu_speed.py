@@ -21,8 +21,9 @@ drafter (5 layers, block 16). Prints, last, one table:
 ``--attention-form shared`` runs the attention kernel's shared form, ``chosen`` the form each pass shape's trial
 chose (``attention_triton.SHARED``, key splits by default);
 ``--commit-branches N`` puts a commit's pieces on N streams (``runner.loop.COMMIT_BRANCHES``) and ``--commit-beside
-on|off`` each round's commit beside the next draft or after it (``decoding.generation.COMMIT_BESIDE_DRAFT``);
-by default both as the modules set them.
+on|off`` each round's commit beside the next draft or after it (``decoding.generation.COMMIT_BESIDE_DRAFT``),
+``--commit-form replay|chunk`` each GDN layer's commit token by token or regrouped (``gdn_triton.COMMIT_FORM``);
+by default each as its module sets it.
 """
 
 from __future__ import annotations
@@ -144,6 +145,9 @@ def main() -> int:
     parser.add_argument("--commit-beside", choices=("on", "off"),
                         help="each round's commit beside the next draft or after it "
                              "(decoding.generation.COMMIT_BESIDE_DRAFT; default: as the module sets it)")
+    parser.add_argument("--commit-form", choices=("replay", "chunk"),
+                        help="each GDN layer's commit token by token or in the regrouped form "
+                             "(gdn_triton.COMMIT_FORM; default: as the module sets it)")
     args = parser.parse_args()
     lt_product.ENABLED = not args.no_lt
     if args.attention_form:
@@ -152,6 +156,10 @@ def main() -> int:
         loop.COMMIT_BRANCHES = args.commit_branches
     if args.commit_beside is not None:
         generation.COMMIT_BESIDE_DRAFT = args.commit_beside == "on"
+    if args.commit_form is not None:
+        from workers.models import gdn_triton
+
+        gdn_triton.COMMIT_FORM = args.commit_form
     if args.wide_triton:
         from workers.models import wide_triton
 
