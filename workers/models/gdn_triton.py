@@ -481,9 +481,9 @@ def _commit_chunk_kernel(EXT, PATH, W, BIAS, G, BETA, S, WIN, channels, count, K
     compile serves every length). With K [N, D] the path's normalised keys, its deltas x [N, BV] solve
     (I + L) x = r, L[t, m] = beta_t exp(G_t - G_m) k_t.k_m (m < t), r_t = beta_t (v_t - exp(G_t) k_t S0),
     by the nilpotent product as in ``_block_outputs``; then S = exp(G_n) S0 + (exp(G_n - G) K)^T x. Along
-    D in steps of BK (whole [N, D] key tiles spill registers): the keys' Gram matrix and K S0 from the
-    raw keys, scaled by their norms after; the update recomputes each step's keys. Rows past ``count``
-    load nothing and have beta = 0."""
+    D in steps of BK (whole [N, D] key tiles spill registers), unrolled so that the steps' loads are in
+    flight together: the keys' Gram matrix and K S0 from the raw keys, scaled by their norms after; the
+    update recomputes each step's keys. Rows past ``count`` load nothing and have beta = 0."""
     wait_for_inputs(PDL)
     h = tl.program_id(0)
     cols = tl.program_id(1) * BV + tl.arange(0, BV)
@@ -496,7 +496,7 @@ def _commit_chunk_kernel(EXT, PATH, W, BIAS, G, BETA, S, WIN, channels, count, K
     squares = tl.zeros((N,), dtype=tl.float32)
     gram = tl.zeros((N, N), dtype=tl.float32)
     keys_state = tl.zeros((N, BV), dtype=tl.float32)  # K S0 (raw keys)
-    for step in range(0, D, BK):
+    for step in tl.static_range(0, D, BK):
         ds = step + tl.arange(0, BK)
         keys = _path_conv(EXT, W, BIAS, PATH, channels, key_channels + ds, t, on, TAPS, WINDOW, HAS_BIAS)
         squares += tl.sum(keys * keys, axis=1)
@@ -520,7 +520,7 @@ def _commit_chunk_kernel(EXT, PATH, W, BIAS, G, BETA, S, WIN, channels, count, K
         power = tl.dot(power, power, input_precision=PRECISION)
         x = x + tl.dot(power, x, input_precision=PRECISION)
     weight = norm * tl.exp(G_end - G_path)  # [N] on the raw keys
-    for step in range(0, D, BK):
+    for step in tl.static_range(0, D, BK):
         ds = step + tl.arange(0, BK)
         keys = _path_conv(EXT, W, BIAS, PATH, channels, key_channels + ds, t, on, TAPS, WINDOW, HAS_BIAS)
         block = state_block + ds[:, None] * D
