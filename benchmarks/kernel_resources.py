@@ -8,9 +8,10 @@ kernels with the rest where the shape has them; the wrapper runs
 on CPU tensors of the real layouts and its launch is recorded instead of run), for each architecture
 (86: the RTX A6000 the project's users run; 90: the H200 its benchmarks run on). Printed per kernel
 and architecture: shared memory against the architecture's per-block limit (more than that and the
-launch fails with OutOfResources), registers per thread, and local-memory stack bytes (non-zero when
-ptxas spilled registers, which slows the kernel). Needs ``triton`` with its bundled ``ptxas`` and
-``cuobjdump``; no CUDA device or driver.
+launch fails with OutOfResources), registers per thread, local-memory stack bytes (non-zero when
+ptxas spilled registers, which slows the kernel), and how many blocks one SM holds at once (its
+occupancy, from those and the architecture's limits; ``resident_blocks``). Needs ``triton`` with its
+bundled ``ptxas`` and ``cuobjdump``; no CUDA device or driver.
 """
 
 from __future__ import annotations
@@ -36,6 +37,33 @@ from workers.models.shapes import TARGETS
 
 # the most shared memory one block may use (opt-in), per compute capability (CUDA programming guide)
 SHARED_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448}
+
+
+@dataclass(frozen=True)
+class Multiprocessor:
+    """What one SM of a compute capability holds at once (CUDA programming guide, "Technical
+    Specifications per Compute Capability")."""
+
+    shared: int  # bytes of shared memory, with 1 KB of each resident block reserved by the driver
+    blocks: int  # resident blocks
+    warps: int  # resident warps
+    registers: int = 65536  # 32-bit registers, given out a warp at a time in units of 256
+
+
+MULTIPROCESSOR = {80: Multiprocessor(167936, 32, 64), 86: Multiprocessor(102400, 16, 48),
+                  87: Multiprocessor(167936, 16, 48), 89: Multiprocessor(102400, 24, 48),
+                  90: Multiprocessor(233472, 32, 64)}
+
+
+def resident_blocks(used: dict, warps: int, arch: int) -> tuple[int, str]:
+    """How many blocks of a kernel an SM of sm_``arch`` holds at once, by its registers a thread, shared
+    bytes and warps a block (``used`` as ``resources`` gives it), and which limit binds first."""
+    sm = MULTIPROCESSOR[arch]
+    per_warp = -(-used["regs"] * 32 // 256) * 256
+    limits = {"blocks": sm.blocks, "warps": sm.warps // warps, "shared": sm.shared // (used["shared"] + 1024),
+              "registers": sm.registers // (per_warp * warps) if per_warp else sm.blocks}
+    binding = min(limits, key=limits.get)  # on a tie, the architecture's own cap: fewer registers would not help
+    return limits[binding], binding
 
 
 @dataclass
@@ -224,19 +252,24 @@ def main() -> int:
     arches = [int(a) for a in args.arch.split(",")]
     shape = TARGETS[args.shape]
     print(f"{args.shape}: Triton {triton.__version__}; per architecture: shared = bytes per block / the "
-          "most a block may have, regs = registers per thread, stack = bytes spilled per thread")
-    print(f"{'kernel':<52}{'warps':>6}" + "".join(f"{f'sm_{a} shared':>20}{'regs':>6}{'stack':>7}" for a in arches))
+          "most a block may have, regs = registers per thread, stack = bytes spilled per thread, an SM = "
+          "blocks resident at once on one SM and the limit that binds (registers, shared, warps, blocks)")
+    print(f"{'kernel':<52}{'warps':>6}"
+          + "".join(f"{f'sm_{a} shared':>20}{'regs':>6}{'stack':>7}{'an SM':>15}" for a in arches))
     problems, fitting = [], {}  # fitting: (family, arch) -> whether some launch of the family fits
     for launch in launches(shape):
         row = f"{launch.label:<52}{launch.kwargs.get('num_warps', 4):>6}"
         for arch in arches:
             if arch < launch.min_arch:
-                row += f"{'-':>20}{'-':>6}{'-':>7}"
+                row += f"{'-':>20}{'-':>6}{'-':>7}{'-':>15}"
                 continue
             used = resources(launch, arch)
             limit = SHARED_LIMIT.get(arch)
-            row += f"{used['shared']:>13}/{limit or '?':<6}{used['regs']:>6}{used['stack']:>7}"
             fits = limit is None or used["shared"] <= limit
+            blocks = "-"
+            if fits and arch in MULTIPROCESSOR:
+                blocks = "{} ({})".format(*resident_blocks(used, launch.kwargs.get("num_warps", 4), arch))
+            row += f"{used['shared']:>13}/{limit or '?':<6}{used['regs']:>6}{used['stack']:>7}{blocks:>15}"
             if launch.family:
                 fitting[launch.family, arch] = fitting.get((launch.family, arch), False) or fits
             elif not fits:

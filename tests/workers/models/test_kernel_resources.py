@@ -60,3 +60,16 @@ def test_the_launch_specialisation_is_triton_s():
     source, options = launch.source()
     ttgir = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ttgir"]
     assert re.search(r"ttg\.async_copy_global_to_local", ttgir)
+
+
+@pytest.mark.parametrize(("regs", "shared", "warps", "arch", "blocks", "binding"), [
+    (168, 18432, 4, 90, 3, "registers"),  # 168 x 32 = 21 units of 256 a warp: 65536 // (4 x 5376) = 3
+    (206, 512, 4, 90, 2, "registers"),  # 206 x 32 rounds up to 6656 a warp
+    (164, 49152, 4, 86, 2, "shared"),  # (48 + 1) KB a block of 100 KB; by registers 3
+    (164, 49152, 4, 90, 3, "registers"),  # 228 KB: 4 by shared
+    (40, 0, 1, 86, 16, "blocks"),  # an RTX A6000 holds at most 16 blocks an SM
+    (32, 0, 16, 86, 3, "warps"),  # and 48 warps (by registers 4)
+])
+def test_resident_blocks_follow_the_architectures_limits(regs, shared, warps, arch, blocks, binding):
+    tool = load_tool()
+    assert tool.resident_blocks({"regs": regs, "shared": shared, "stack": 0}, warps, arch) == (blocks, binding)
