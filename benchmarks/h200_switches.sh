@@ -17,7 +17,7 @@
 # On the device (`run`, carry [".whl", ".device-cache"]), one or more modes a call, in order (their
 # timeouts, in brackets, summed under the call's 600 s: e.g. `tests commit` as a first call):
 #   bash benchmarks/h200_switches.sh tests       # the switches' GPU tests [220 s]
-#   bash benchmarks/h200_switches.sh commit      # the commit kernels' GPU tests; commit_branches.py, 27B [460 s]
+#   bash benchmarks/h200_switches.sh commit      # the commit kernels' GPU tests; commit_branches.py, 27B [490 s]
 #   bash benchmarks/h200_switches.sh kernel      # attention_kernels.py --shared: 8B, 27B, 8B prompt chunks [360 s]
 #   bash benchmarks/h200_switches.sh ab SHAPE    # sustained.py, 256 and 257 rows, attention splits / chosen x2 [530 s]
 #   bash benchmarks/h200_switches.sh goals       # issue 28's goal table on both shapes, with what is on [540 s]
@@ -45,7 +45,8 @@ tests() {
     tests/workers/models/test_graphs.py tests/workers/models/test_streams.py tests/workers/models/test_gdn_triton.py
 }
 commit() {
-  timeout 120 python3 -m pytest -q -m gpu tests/workers/models/test_gdn_triton.py -k "commit or tree_kernel"
+  timeout 150 python3 -m pytest -q -n 8 -m gpu tests/workers/models/test_gdn_triton.py \
+    tests/workers/models/test_graphs.py -k "commit or tree_kernel"
   timeout 340 python3 benchmarks/commit_branches.py --shape qwen3.6-27b --branches 1,4 --forms replay,chunk \
     --lengths 1,8,16
 }

@@ -308,3 +308,41 @@ def test_the_commit_beside_the_next_draft_changes_nothing(request, name, monkeyp
                 assert torch.equal(apart.states[i], line.states[i])
             for mine, theirs in zip(apart.kv.stacks, line.kv.stacks, strict=True):
                 assert torch.equal(mine[:, :, :, :, : line.length], theirs[:, :, :, :, : line.length])
+
+
+@pytest.mark.parametrize("name", ["tiny_hybrid", "tiny_hybrid_dflash2"])
+def test_the_regrouped_commit_keeps_greedy_decoding_exact(request, name, monkeypatch):
+    """With every GDN layer's commit in the regrouped form (``gdn_triton.COMMIT_FORM = "chunk"``), eager
+    and graphed, DFlash and DDTree still give AR's tokens: the commit's state is the one AR's step-by-step
+    recurrence reaches, to float32 rounding."""
+    from workers.models import gdn_triton
+
+    monkeypatch.setattr(gdn_triton, "COMMIT_FORM", "chunk")
+    launches = []
+    kernel = gdn_triton._commit_chunk_kernel
+
+    class Counted:  # the kernel as before, its launches counted
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(args[9])  # the path's length
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(gdn_triton, "_commit_chunk_kernel", Counted())
+    tiny = request.getfixturevalue(name)
+    model = copy.deepcopy(tiny.model).cuda()
+    drafter = copy.deepcopy(tiny.drafter).cuda()
+    taps = drafter.spec.target_layer_ids
+    eager, graphed = StaticTarget(model, taps, graphs=False), StaticTarget(model, taps, graphs=True)
+    launches.clear()  # a GDN layer's warm-up compile commits every length on zeros; count the rounds' own
+    vocab, accepted = tiny.shape.vocab_size, 0
+    for seed in range(4):
+        prompt = torch.randint(1, vocab, (1, 5 + 7 * seed), generator=torch.Generator().manual_seed(seed)).cuda()
+        config = GenerationConfig(max_new_tokens=40, seed=seed)
+        reference = ar.generate(eager, None, prompt, config).token_ids
+        for _, engine, params in ENGINES[1:]:
+            for target in (eager, graphed):
+                out = engine(target, drafter, prompt, config, params)
+                assert out.token_ids == reference
+                accepted += sum(out.acceptance_lengths) - len(out.acceptance_lengths)
+    assert accepted > 0 and max(launches, default=0) > 1, "no commit of more than one token ran regrouped"
