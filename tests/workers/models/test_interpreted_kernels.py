@@ -281,6 +281,36 @@ def test_a_gdn_layer_through_the_kernels_equals_its_torch_path(chain, q):
         assert torch.equal(got_window, want_window)
 
 
+@pytest.mark.parametrize("form", ["replay", "chunk"])
+def test_greedy_decoding_through_the_gdn_kernels_equals_ar(tiny_hybrid, form, monkeypatch):
+    """DFlash and DDTree on the float32 hybrid target with its GDN layers through the kernels (conv
+    prologue, tree solve, gated norm, the chain step, each commit form) give AR's tokens: the kernels
+    keep greedy decoding exact end to end, and commits of more than one token ran."""
+    from workers.decoding import ar, ddtree, dflash
+    from workers.decoding.generation import GenerationConfig
+    from workers.decoding.params import DFlashParams, TreeParams
+    from workers.models import gdn_triton
+    from workers.models.runner.target import StaticTarget
+
+    monkeypatch.setattr(gdn_triton, "COMMIT_FORM", form)
+    lengths, commit_path = [], gdn_triton.commit_path
+
+    def counted(extended, path, *args, **kwargs):
+        lengths.append(path.shape[0])
+        return commit_path(extended, path, *args, **kwargs)
+
+    monkeypatch.setattr(gdn_triton, "commit_path", counted)
+    target = StaticTarget(tiny_hybrid.model, tiny_hybrid.drafter.spec.target_layer_ids, graphs=False)
+    for layer in target.loop.gdn.values():  # on the CPU they run the torch forms unless told (kept on the
+        monkeypatch.setattr(layer, "kernels", True)  # fixture's mixers: undone after the test)
+    prompt = torch.randint(1, tiny_hybrid.shape.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
+    config = GenerationConfig(max_new_tokens=12, seed=1)
+    reference = ar.generate(target, None, prompt, config).token_ids
+    for engine, params in ((dflash.generate, DFlashParams()), (ddtree.generate, TreeParams(16))):
+        assert engine(target, tiny_hybrid.drafter, prompt, config, params).token_ids == reference
+    assert max(lengths, default=0) > 1
+
+
 @pytest.mark.parametrize(("bias", "dtype"), [(False, torch.float32), (True, torch.float32), (True, torch.float16)])
 @torch.inference_mode()
 def test_a_commit_through_the_kernels_equals_the_torch_commit(bias, dtype):
