@@ -30,6 +30,7 @@ TINY_SMALL_VOCAB = TinyShape(vocab_size=6, block_size=6, **MIXED_DRAFTER)  # cha
 # accepted often, and Qwen3-Next (fused projections, MoE MLPs) at the default vocabulary, whose
 # drafter makes every layer sliding and non-causal (dflash_config.use_swa, as MiMo's drafters do).
 TINY_HYBRID = TinyShape(vocab_size=6, block_size=6, arch="qwen3_5", **MIXED_DRAFTER)
+TINY_HYBRID_KERNELS = TinyShape(vocab_size=6, block_size=6, arch="qwen3_5", gdn_head_dim=16, **MIXED_DRAFTER)
 TINY_NEXT = TinyShape(arch="qwen3_next", drafter_window=12, drafter_use_swa=True)
 # DFlash2 drafters (convolutions, candidate selector) laid out as the published one: every layer sliding
 # and non-causal (is_causal false), here with a window of 8; on a Qwen3 target and on a Qwen3.5 hybrid.
@@ -72,6 +73,13 @@ def tiny_small_vocab(tmp_path_factory) -> TinyModels:
 def tiny_hybrid(tmp_path_factory) -> TinyModels:
     """A Qwen3.5-style hybrid target (vocab 6, block 6) and its drafter, float32 on CPU."""
     return _load(TINY_HYBRID, tmp_path_factory.mktemp("tiny_hybrid"))
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_kernels(tmp_path_factory) -> TinyModels:
+    """``tiny_hybrid`` with GDN heads of 16, where the Triton GDN kernels' tiles fit (at 8 a CUDA hybrid
+    runs the torch forms)."""
+    return _load(TINY_HYBRID_KERNELS, tmp_path_factory.mktemp("tiny_hybrid_kernels"))
 
 
 @pytest.fixture(scope="session")

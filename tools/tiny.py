@@ -34,6 +34,7 @@ class TinyShape:
     arch: str = "qwen3"  # or "qwen3_5" / "qwen3_next": GDN layers alternating with attention
     gdn_key_heads: int = 2  # hybrids: GDN key heads
     gdn_value_heads: int = 4  # hybrids: GDN value heads (a multiple of the key heads)
+    gdn_head_dim: int = 8  # hybrids: GDN key and value head size (16 or more: the Triton kernels' tiles fit)
     # the drafter's attention, written as z-lab checkpoints write it (drafter_config.resolve_layer_attention):
     drafter_layer_types: tuple[str, ...] | None = None  # e.g. ("sliding_attention", "full_attention")
     drafter_window: int | None = None  # sliding_window (with use_sliding_window: true)
@@ -60,8 +61,8 @@ def tiny_target_config(shape: TinyShape) -> dict:
         "layer_types": ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(shape.num_layers)],
         "linear_num_key_heads": shape.gdn_key_heads,
         "linear_num_value_heads": shape.gdn_value_heads,
-        "linear_key_head_dim": 8,
-        "linear_value_head_dim": 8,
+        "linear_key_head_dim": shape.gdn_head_dim,
+        "linear_value_head_dim": shape.gdn_head_dim,
         "linear_conv_kernel_dim": 4,
     }
     if shape.arch == "qwen3_5":

@@ -310,30 +310,32 @@ def test_the_commit_beside_the_next_draft_changes_nothing(request, name, monkeyp
                 assert torch.equal(mine[:, :, :, :, : line.length], theirs[:, :, :, :, : line.length])
 
 
-@pytest.mark.parametrize("name", ["tiny_hybrid", "tiny_hybrid_dflash2"])
-def test_the_regrouped_commit_keeps_greedy_decoding_exact(request, name, monkeypatch):
-    """With every GDN layer's commit in the regrouped form (``gdn_triton.COMMIT_FORM = "chunk"``), eager
-    and graphed, DFlash and DDTree still give AR's tokens: the commit's state is the one AR's step-by-step
-    recurrence reaches, to float32 rounding."""
+@pytest.mark.parametrize("form", ["replay", "chunk"])
+def test_greedy_decoding_through_the_gdn_kernels_equals_ar(tiny_hybrid_kernels, form, monkeypatch):
+    """On a hybrid whose GDN layers run the Triton kernels (heads of 16), with either commit form
+    (``gdn_triton.COMMIT_FORM``), eager and graphed, DFlash and DDTree give AR's tokens, and commits of
+    more than one token ran in that form."""
     from workers.models import gdn_triton
 
-    monkeypatch.setattr(gdn_triton, "COMMIT_FORM", "chunk")
+    monkeypatch.setattr(gdn_triton, "COMMIT_FORM", form)
     launches = []
-    kernel = gdn_triton._commit_chunk_kernel
+    name = "_commit_chunk_kernel" if form == "chunk" else "_commit_kernel"
+    kernel = getattr(gdn_triton, name)
 
     class Counted:  # the kernel as before, its launches counted
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                launches.append(args[9])  # the path's length
+                launches.append(args[1].shape[0])  # the path's length
                 return kernel[grid](*args, **kwargs)
             return launch
 
-    monkeypatch.setattr(gdn_triton, "_commit_chunk_kernel", Counted())
-    tiny = request.getfixturevalue(name)
+    monkeypatch.setattr(gdn_triton, name, Counted())
+    tiny = tiny_hybrid_kernels
     model = copy.deepcopy(tiny.model).cuda()
     drafter = copy.deepcopy(tiny.drafter).cuda()
     taps = drafter.spec.target_layer_ids
     eager, graphed = StaticTarget(model, taps, graphs=False), StaticTarget(model, taps, graphs=True)
+    assert all(layer.kernels for target in (eager, graphed) for layer in target.loop.gdn.values())
     launches.clear()  # a GDN layer's warm-up compile commits every length on zeros; count the rounds' own
     vocab, accepted = tiny.shape.vocab_size, 0
     for seed in range(4):
@@ -345,4 +347,4 @@ def test_the_regrouped_commit_keeps_greedy_decoding_exact(request, name, monkeyp
                 out = engine(target, drafter, prompt, config, params)
                 assert out.token_ids == reference
                 accepted += sum(out.acceptance_lengths) - len(out.acceptance_lengths)
-    assert accepted > 0 and max(launches, default=0) > 1, "no commit of more than one token ran regrouped"
+    assert accepted > 0 and max(launches, default=0) > 1, f"no commit of more than one token ran in {form} form"

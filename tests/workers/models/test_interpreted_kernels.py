@@ -282,7 +282,7 @@ def test_a_gdn_layer_through_the_kernels_equals_its_torch_path(chain, q):
 
 
 @pytest.mark.parametrize("form", ["replay", "chunk"])
-def test_greedy_decoding_through_the_gdn_kernels_equals_ar(tiny_hybrid, form, monkeypatch):
+def test_greedy_decoding_through_the_gdn_kernels_equals_ar(tiny_hybrid_kernels, form, monkeypatch):
     """DFlash and DDTree on the float32 hybrid target with its GDN layers through the kernels (conv
     prologue, tree solve, gated norm, the chain step, each commit form) give AR's tokens: the kernels
     keep greedy decoding exact end to end, and commits of more than one token ran."""
@@ -300,6 +300,7 @@ def test_greedy_decoding_through_the_gdn_kernels_equals_ar(tiny_hybrid, form, mo
         return commit_path(extended, path, *args, **kwargs)
 
     monkeypatch.setattr(gdn_triton, "commit_path", counted)
+    tiny_hybrid = tiny_hybrid_kernels
     target = StaticTarget(tiny_hybrid.model, tiny_hybrid.drafter.spec.target_layer_ids, graphs=False)
     for layer in target.loop.gdn.values():  # on the CPU they run the torch forms unless told (kept on the
         monkeypatch.setattr(layer, "kernels", True)  # fixture's mixers: undone after the test)
