@@ -7,8 +7,8 @@
 #   runner.loop.COMMIT_BRANCHES       a commit's pieces (the K/V move, each GDN layer) on several streams: 4
 #   generation.COMMIT_BESIDE_DRAFT    the commit beside the next draft instead of after it: on
 #   gdn_triton.COMMIT_FORM            a GDN layer's commit token by token ("replay") or in the regrouped form
-#                                     ("chunk", built in the twentieth session without a GPU): replay until
-#                                     `commit` times the chunk form
+#                                     ("chunk"): replay; on an H100 the chunk form lost on 4 streams at every
+#                                     path length (twentieth session)
 # A switch goes on only where its timing shows a gain and its GPU tests pass; on another GPU (an RTX A6000)
 # `tests`, `commit` and `ab` say whether the same holds there.
 #

@@ -35,10 +35,11 @@ from workers.models.pdl_triton import launch_options, wait_for_inputs
 from workers.models.tree_blocks import TREE_BLOCK, tree_blocks
 
 TREE_WARPS = 4
-# A commit's form: "replay" (``_commit_kernel``, the path token by token; the timed default) or "chunk"
-# (``_commit_chunk_kernel``, the regrouped form, about flat in the path's length; not yet timed on a GPU:
-# ``benchmarks/commit_branches.py --forms replay,chunk``). The chunk form's products run in float32 FMA
-# ("ieee"), not tf32: the state it writes is carried into every later round.
+# A commit's form: "replay" (``_commit_kernel``, the path token by token) or "chunk" (``_commit_chunk_kernel``,
+# the regrouped form, flat in the path's length). On an H100 the chunk form lost on 4 streams at every
+# length, 1 to 16 nodes (``benchmarks/commit_branches.py --forms replay,chunk``; results in
+# wide_passes_h200.md): replay stays. The chunk form's products run in float32 FMA ("ieee"), not tf32: the
+# state it writes is carried into every later round.
 COMMIT_FORM = "replay"
 COMMIT_PRECISION = "ieee"
 COMMIT_CHUNK_WARPS = 4
