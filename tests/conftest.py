@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -30,7 +30,7 @@ TINY_SMALL_VOCAB = TinyShape(vocab_size=6, block_size=6, **MIXED_DRAFTER)  # cha
 # accepted often, and Qwen3-Next (fused projections, MoE MLPs) at the default vocabulary, whose
 # drafter makes every layer sliding and non-causal (dflash_config.use_swa, as MiMo's drafters do).
 TINY_HYBRID = TinyShape(vocab_size=6, block_size=6, arch="qwen3_5", **MIXED_DRAFTER)
-TINY_HYBRID_KERNELS = TinyShape(vocab_size=6, block_size=6, arch="qwen3_5", gdn_head_dim=16, **MIXED_DRAFTER)
+TINY_HYBRID_KERNELS = replace(TINY_HYBRID, gdn_head_dim=16)  # the GDN kernels' tiles fit
 TINY_NEXT = TinyShape(arch="qwen3_next", drafter_window=12, drafter_use_swa=True)
 # DFlash2 drafters (convolutions, candidate selector) laid out as the published one: every layer sliding
 # and non-causal (is_causal false), here with a window of 8; on a Qwen3 target and on a Qwen3.5 hybrid.
