@@ -24,8 +24,8 @@ ENGINES = [("ar", ar.generate, None), ("dflash", dflash.generate, DFlashParams()
            ("ddtree", ddtree.generate, TreeParams(16)), ("ddtree", ddtree.generate, TreeParams(48, branching=2))]
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny_small_vocab", "tiny_hybrid", "tiny_next", "tiny_dflash2",
-                                  "tiny_hybrid_dflash2"])
+@pytest.mark.parametrize("name", ["tiny", "tiny_small_vocab", "tiny_hybrid", "tiny_hybrid_kernels", "tiny_next",
+                                  "tiny_dflash2", "tiny_hybrid_dflash2"])
 def test_graph_replay_equals_eager_token_for_token(request, name):
     tiny = request.getfixturevalue(name)
     model = copy.deepcopy(tiny.model).cuda()
@@ -143,7 +143,7 @@ def test_replayed_tree_build_equals_the_eager_build(tiny):
 
 
 @pytest.mark.parametrize("segments", [1, 2])
-@pytest.mark.parametrize("name", ["tiny_hybrid", "tiny"])
+@pytest.mark.parametrize("name", ["tiny_hybrid", "tiny_hybrid_kernels", "tiny"])
 @torch.inference_mode()  # as the engines run the target
 def test_prompt_chunks_replayed_from_a_graph_equal_eager(request, name, segments):
     """Full prompt chunks replay one captured pass (two segments: one graph per segment; the warm-ups
@@ -173,7 +173,7 @@ def test_prompt_chunks_replayed_from_a_graph_equal_eager(request, name, segments
     assert tokens == tokens_g
 
 
-@pytest.mark.parametrize("name", ["tiny_hybrid", "tiny"])
+@pytest.mark.parametrize("name", ["tiny_hybrid", "tiny_hybrid_kernels", "tiny"])
 def test_two_segment_graphs_on_one_gpu_equal_the_unsplit_target(request, name):
     """A target in two segments of layers replays one graph per segment and width, the hidden state
     handed between them; every engine's tokens equal the unsplit eager run's, and a tree pass's logits
@@ -232,7 +232,7 @@ def test_a_target_over_cuda_and_the_cpu_runs_eagerly_and_matches(tiny_hybrid):
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["tiny_hybrid", "tiny_next"])
+@pytest.mark.parametrize("name", ["tiny_hybrid", "tiny_hybrid_kernels", "tiny_next"])
 def test_a_commit_on_parallel_streams_equals_one_on_one_stream(request, name, monkeypatch):
     """The commit's pieces on three streams (parallel branches once captured in a graph) leave every
     GDN state, conv window and K/V slot bit-equal to the commit on one stream, whether run eagerly
@@ -278,7 +278,7 @@ def test_a_commit_on_parallel_streams_equals_one_on_one_stream(request, name, mo
         assert tokens[3] == tokens[1]
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny_hybrid", "tiny_hybrid_dflash2"])
+@pytest.mark.parametrize("name", ["tiny", "tiny_hybrid", "tiny_hybrid_kernels", "tiny_hybrid_dflash2"])
 def test_the_commit_beside_the_next_draft_changes_nothing(request, name, monkeypatch):
     """Each round's commit on a side stream beside the next draft (and its pieces on three streams) gives
     the same tokens, the same acceptance and the same committed state as the commit in line after it."""
