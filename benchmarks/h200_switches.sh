@@ -9,8 +9,10 @@
 #   gdn_triton.COMMIT_FORM            a GDN layer's commit token by token ("replay") or in the regrouped form
 #                                     ("chunk"): replay; on an H100 the chunk form lost on 4 streams at every
 #                                     path length (twentieth session)
+#   gdn_triton.TREE_STAGES            the GDN tree kernel's pipeline depth: 3 (Triton's default); on an RTX
+#                                     A6000 2 stages fit 3 programs an SM instead of 2 (not yet timed anywhere)
 # A switch goes on only where its timing shows a gain and its GPU tests pass; on another GPU (an RTX A6000)
-# `tests`, `commit` and `ab` say whether the same holds there.
+# `tests`, `commit`, `stages` and `ab` say whether the same holds there.
 #
 # Here (a machine with pip and the internet), once a session:
 #   bash benchmarks/h200_switches.sh wheels      # .whl: fla-core, nvmath-python and their needs, for the device
@@ -23,11 +25,12 @@
 #   bash benchmarks/h200_switches.sh goals       # issue 28's goal table on both shapes, with what is on [540 s]
 #   bash benchmarks/h200_switches.sh profile     # kernels of the wide passes, stages of B = 256 / 1024 rounds [460 s]
 #   bash benchmarks/h200_switches.sh tree        # the tree build per budget and count kernel; its GPU test [150 s]
+#   bash benchmarks/h200_switches.sh stages      # the GDN tree kernel at 2 and 3 stages, its GPU tests [240 s]
 # Triton's compiled kernels outlive the machine: a call unpacks .device-cache/triton.tar.xz (if carried)
 # into a fixed folder (the cache records absolute paths) and leaves the grown cache in
 # $OUT/triton.tar.xz; copy that back to .device-cache/ before the next call, so it compiles nothing twice.
 set -euo pipefail
-usage="usage: bash benchmarks/h200_switches.sh wheels | MODE... (tests, commit, kernel, ab SHAPE, goals, profile, tree)"
+usage="usage: bash benchmarks/h200_switches.sh wheels | MODE... (tests, commit, kernel, ab SHAPE, goals, profile, tree, stages)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 
 if [ "$1" = wheels ]; then
@@ -93,10 +96,15 @@ tree() {  # with .device-run/tree_triton_*.py (say `git show HEAD~1:workers/deco
   timeout 60 python3 -m pytest -q -m gpu tests/workers/decoding/test_tree.py
 }
 
+stages() {  # gdn_triton.TREE_STAGES: the 27B's GDN heads, q = 17..1025, tf32 (a bfloat16 model's) at 2 and 3
+  timeout 120 python3 -m pytest -q -n 8 -m gpu tests/workers/models/test_gdn_triton.py -k "tree_kernel"
+  timeout 120 python3 benchmarks/gdn_kernels.py --shape qwen3.6-27b --stages 2,3
+}
+
 modes=()  # checked before anything runs
 while [ $# -gt 0 ]; do
   case "$1" in
-    tests|commit|kernel|goals|profile|tree) modes+=("$1"); shift ;;
+    tests|commit|kernel|goals|profile|tree|stages) modes+=("$1"); shift ;;
     ab) [ $# -ge 2 ] || { echo "ab needs a shape: qwen3-8b or qwen3.6-27b" >&2; exit 2; }
         modes+=("ab $2"); shift 2 ;;
     *) echo "unknown mode $1; $usage" >&2; exit 2 ;;

@@ -136,10 +136,14 @@ def gdn_launches(shape: dict, parents: torch.Tensor) -> list[Launch]:
                             torch.empty(taps - 1 + q, channels, dtype=bf16), gates)
     kq, v_ = torch.zeros(hk, 2, q, d), torch.zeros(h, q, d)
     g, beta, state = torch.zeros(q, h), torch.zeros(q, h, dtype=bf16), torch.zeros(h, d, d)
-    for dtype, precision in ((bf16, "tf32"), (f32, "tf32x3")):  # as a bfloat16 / a float32 model runs them
+    # as a bfloat16 model runs them at either stage count (``gdn_triton.TREE_STAGES``), and a float32 model
+    runs = ((bf16, "tf32", 3), (bf16, "tf32", 2), (f32, "tf32x3", gdn_triton.TREE_STAGES))
+    for dtype, precision, stage_count in runs:
         norm = (torch.zeros(q, h * d, dtype=dtype), torch.zeros(d, dtype=dtype), 1e-6)
-        with recording(gdn_triton, "_tree_block_kernel", f"GDN tree blocks + gated norm ({precision})", out):
-            gdn_triton.tree_outputs(kq, v_, g, beta, state, ancestors, model_dtype=dtype, norm=norm)
+        label = f"GDN tree blocks + gated norm ({precision}, {stage_count} stages)"
+        with recording(gdn_triton, "_tree_block_kernel", label, out):
+            gdn_triton.tree_outputs(kq, v_, g, beta, state, ancestors, model_dtype=dtype, norm=norm,
+                                    num_stages=stage_count)
     with recording(gdn_triton, "_gated_norm_kernel", "GDN gated norm (chains)", out):
         gdn_triton.gated_norm(torch.zeros(q, h, d), torch.zeros(q, h * d, dtype=bf16), torch.zeros(d, dtype=bf16),
                               1e-6, bf16)

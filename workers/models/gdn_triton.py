@@ -35,6 +35,12 @@ from workers.models.pdl_triton import launch_options, wait_for_inputs
 from workers.models.tree_blocks import TREE_BLOCK, tree_blocks
 
 TREE_WARPS = 4
+# Stages of the tree kernel's software pipeline (its loads of keys and state, issued that many steps ahead;
+# 3 is Triton's default). At 3 a bfloat16 model's program takes 48 KB of shared memory, so an sm_86 or
+# sm_89 SM (an RTX A6000's: 100 KB) holds 2 of them; at 2 it takes 32 KB and 3 fit, registers allowing
+# (``benchmarks/kernel_resources.py``). On sm_90 registers hold it to 3 either way. Not yet timed on an
+# A6000: ``benchmarks/gdn_kernels.py --stages 2,3`` says which is faster there.
+TREE_STAGES = 3
 # A commit's form: "replay" (``_commit_kernel``, the path token by token) or "chunk" (``_commit_chunk_kernel``,
 # the regrouped form, flat in the path's length). On an H100 the chunk form lost on 4 streams at every
 # length, 1 to 16 nodes (``benchmarks/commit_branches.py --forms replay,chunk``; results in
@@ -172,6 +178,7 @@ def tree_outputs(
     num_warps: int | None = None,
     precision: str | None = None,
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (z [q, H*dv], weight [dv], eps)
+    num_stages: int | None = None,  # TREE_STAGES unless given
 ) -> torch.Tensor:
     """Outputs [q, H, dv] float32, as ``gdn.tree_delta_rule_normalized`` computes them; with
     ``norm``, ``gated_norm(outputs, z, weight, eps, model_dtype)`` [q, H*dv] instead, in the kernel's
@@ -202,7 +209,7 @@ def tree_outputs(
         HEADS=heads, REPEAT=heads // key_heads, DK=dk, DV=dv, CONTEXT=slots.shape[1] - TREE_BLOCK,
         BLOCK=TREE_BLOCK, BK=min(dk, PRODUCT_STEP),
         FACTORS=max(1, (ancestors.shape[1] - 1).bit_length()), PRECISION=precision, NORMED=norm is not None,
-        num_warps=num_warps or TREE_WARPS, **launch_options(out.device),
+        num_warps=num_warps or TREE_WARPS, num_stages=num_stages or TREE_STAGES, **launch_options(out.device),
     )
     return out
 

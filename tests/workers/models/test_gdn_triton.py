@@ -21,10 +21,15 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("stages", [3, 2])
 @pytest.mark.parametrize("q, depth, dk, dv", [(1, 1, 16, 16), (17, 15, 128, 128), (257, 15, 128, 128),
                                               (300, 6, 64, 32), (80, "deep", 128, 128)])
-def test_triton_tree_kernel_equals_the_torch_path(q, depth, dk, dv):
-    """The deep case: 16-node paths, aligned keys and slow decay, where every factor of the solve weighs."""
+def test_triton_tree_kernel_equals_the_torch_path(q, depth, dk, dv, stages, monkeypatch):
+    """The deep case: 16-node paths, aligned keys and slow decay, where every factor of the solve weighs.
+    At either pipeline depth (``gdn_triton.TREE_STAGES``)."""
+    from workers.models import gdn_triton
+
+    monkeypatch.setattr(gdn_triton, "TREE_STAGES", stages)
     g = torch.Generator().manual_seed(q)
     hk, h = 4, 12
     deep = depth == "deep"
@@ -41,10 +46,12 @@ def test_triton_tree_kernel_equals_the_torch_path(q, depth, dk, dv):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("stages", [3, 2])
 @pytest.mark.parametrize("q", [16, 257, 1025])
-def test_the_bfloat16_models_tf32_tree_kernel_stays_below_bfloat16_rounding(q):
+def test_the_bfloat16_models_tf32_tree_kernel_stays_below_bfloat16_rounding(q, stages):
     """For a bfloat16 model the blocked solve's products run in tf32: all outputs within 5e-3 relative
-    of the float32 torch form (bfloat16's own rounding is 3.9e-3), at real head sizes."""
+    of the float32 torch form (bfloat16's own rounding is 3.9e-3), at real head sizes, at either pipeline
+    depth."""
     from workers.models.gdn import l2_normalize, tree_delta_rule_normalized
     from workers.models.gdn_triton import tree_outputs
 
@@ -58,7 +65,7 @@ def test_the_bfloat16_models_tf32_tree_kernel_stays_below_bfloat16_rounding(q):
     ancestors = ancestor_table(parents).cuda()
     want = tree_delta_rule_normalized(q_, k_, v_, log_gate, beta, state, ancestors, use_triton=False)
     kq = torch.stack((k_, q_), dim=1)  # [Hk, 2, q, d], the prologue's layout
-    got = tree_outputs(kq, v_, log_gate, beta, state, ancestors, model_dtype=torch.bfloat16)
+    got = tree_outputs(kq, v_, log_gate, beta, state, ancestors, model_dtype=torch.bfloat16, num_stages=stages)
     assert ((got - want).norm() / want.norm()).item() < 5e-3
 
 

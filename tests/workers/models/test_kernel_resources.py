@@ -73,3 +73,15 @@ def test_the_launch_specialisation_is_triton_s():
 def test_resident_blocks_follow_the_architectures_limits(regs, shared, warps, arch, blocks, binding):
     tool = load_tool()
     assert tool.resident_blocks({"regs": regs, "shared": shared, "stack": 0}, warps, arch) == (blocks, binding)
+
+
+def test_two_pipeline_stages_let_three_gdn_tree_programs_share_an_a6000_sm():
+    """What ``gdn_triton.TREE_STAGES`` says: a bfloat16 model's tree kernel at 3 stages takes 48 KB of
+    shared memory, so 2 programs fit an sm_86 SM; at 2 stages 3 fit."""
+    tool = load_tool()
+    tree = {launch.label: launch for launch in tool.launches(TARGETS["qwen3.6-27b"])
+            if launch.label.startswith("GDN tree blocks + gated norm (tf32,")}
+    resident = {label: tool.resident_blocks(tool.resources(launch, 86), launch.kwargs.get("num_warps", 4), 86)[0]
+                for label, launch in tree.items()}
+    assert resident == {"GDN tree blocks + gated norm (tf32, 3 stages)": 2,
+                        "GDN tree blocks + gated norm (tf32, 2 stages)": 3}
