@@ -12,7 +12,9 @@
 #   gdn_triton.TREE_STAGES            the GDN tree kernel's pipeline depth: 3 (Triton's default); on an RTX
 #                                     A6000 2 stages fit 3 programs an SM instead of 2 (not yet timed anywhere)
 # A switch goes on only where its timing shows a gain and its GPU tests pass; on another GPU (an RTX A6000)
-# `tests`, `commit`, `stages` and `ab` say whether the same holds there.
+# `tests`, `stages` and `ab qwen3-8b` say whether the same holds there. The 27B shape's runs (`commit`,
+# `ab qwen3.6-27b`, half of `goals`) build the whole random-weight target on one GPU, 55 GB: not on one
+# 48 GB card.
 #
 # Here (a machine with pip and the internet), once a session:
 #   bash benchmarks/h200_switches.sh wheels      # .whl: fla-core, nvmath-python and their needs, for the device
