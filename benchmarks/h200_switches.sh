@@ -12,16 +12,17 @@
 #   gdn_triton.TREE_STAGES            the GDN tree kernel's pipeline depth: 3 (Triton's default); on an RTX
 #                                     A6000 2 stages fit 3 programs an SM instead of 2 (not yet timed anywhere)
 # A switch goes on only where its timing shows a gain and its GPU tests pass; on another GPU (an RTX A6000)
-# `tests`, `stages` and `ab qwen3-8b` say whether the same holds there. The 27B shape's runs (`commit`,
-# `ab qwen3.6-27b`, half of `goals`) build the whole random-weight target on one GPU, 55 GB: not on one
-# 48 GB card.
+# `tests`, `stages`, `ab qwen3-8b` and, for the 27B's layers, `SHAPE=qwen3.6-27b-half ... commit` and
+# `ab qwen3.6-27b-half` say whether the same holds there. The whole 27B shape (`commit`'s default,
+# `ab qwen3.6-27b`, half of `goals`) is 55 GB of random weights on one GPU: not on one 48 GB card; its
+# first 32 layers ("qwen3.6-27b-half") are about 33 GB with the drafter.
 #
 # Here (a machine with pip and the internet), once a session:
 #   bash benchmarks/h200_switches.sh wheels      # .whl: fla-core, nvmath-python and their needs, for the device
 # On the device (`run`, carry [".whl", ".device-cache"]), one or more modes a call, in order (their
 # timeouts, in brackets, summed under the call's 600 s: e.g. `tests commit` as a first call):
 #   bash benchmarks/h200_switches.sh tests       # the switches' GPU tests [220 s]
-#   bash benchmarks/h200_switches.sh commit      # the commit kernels' GPU tests; commit_branches.py, 27B [490 s]
+#   bash benchmarks/h200_switches.sh commit      # the commit kernels' GPU tests; commit_branches.py, $SHAPE or 27B [490 s]
 #   bash benchmarks/h200_switches.sh kernel      # attention_kernels.py --shared: 8B, 27B, 8B prompt chunks [360 s]
 #   bash benchmarks/h200_switches.sh ab SHAPE    # sustained.py, 256 and 257 rows, attention splits / chosen x2 [530 s]
 #   bash benchmarks/h200_switches.sh goals       # issue 28's goal table on both shapes, with what is on [540 s]
@@ -52,8 +53,8 @@ tests() {
 commit() {
   timeout 150 python3 -m pytest -q -n 8 -m gpu tests/workers/models/test_gdn_triton.py \
     tests/workers/models/test_graphs.py -k "commit or tree_kernel"
-  timeout 340 python3 benchmarks/commit_branches.py --shape qwen3.6-27b --branches 1,4 --forms replay,chunk \
-    --lengths 1,8,16
+  timeout 340 python3 benchmarks/commit_branches.py --shape "${SHAPE:-qwen3.6-27b}" --branches 1,4 \
+    --forms replay,chunk --lengths 1,8,16
 }
 kernel() {
   timeout 120 python3 benchmarks/attention_kernels.py --shape qwen3-8b --capacity 3072 \
@@ -107,7 +108,7 @@ modes=()  # checked before anything runs
 while [ $# -gt 0 ]; do
   case "$1" in
     tests|commit|kernel|goals|profile|tree|stages) modes+=("$1"); shift ;;
-    ab) [ $# -ge 2 ] || { echo "ab needs a shape: qwen3-8b or qwen3.6-27b" >&2; exit 2; }
+    ab) [ $# -ge 2 ] || { echo "ab needs a shape: qwen3-8b, qwen3.6-27b or qwen3.6-27b-half" >&2; exit 2; }
         modes+=("ab $2"); shift 2 ;;
     *) echo "unknown mode $1; $usage" >&2; exit 2 ;;
   esac

@@ -55,6 +55,10 @@ TARGETS: dict[str, dict] = {
     },
 }
 TARGETS["qwen3.8-27b"] = TARGETS["qwen3.6-27b"]  # the same hybrid architecture (FIELD_NOTES 13)
+# The 27B's first 32 layers, each of its size, in its pattern: about 30 GB in bf16, so its per-layer kernels,
+# commits and passes can be timed on one 48 GB card (an RTX A6000), where the whole 55 GB does not fit
+TARGETS["qwen3.6-27b-half"] = TARGETS["qwen3.6-27b"] | {"num_hidden_layers": 32,
+                                                        "layer_types": TARGETS["qwen3.6-27b"]["layer_types"][:32]}
 # Smoke-test sizes of the same layouts (4 layers, width 256): quick on a CPU, same code paths.
 _MINI = {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
@@ -92,6 +96,8 @@ DRAFTERS: dict[str, dict] = {
                           "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16},
     },
 }
+DRAFTERS["qwen3.6-27b-half"] = DRAFTERS["qwen3.6-27b"] | {"dflash_config": {
+    **DRAFTERS["qwen3.6-27b"]["dflash_config"], "target_layer_ids": default_target_layer_ids(32, 5)}}
 # the mini shapes' drafters keep the layout (the 27B's a window short enough to bind on a CPU smoke run)
 _MINI_DRAFTER = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512,
                  "dflash_config": {"mask_token_id": _MINI["vocab_size"] - 1,

@@ -26,6 +26,27 @@ def test_the_27b_hybrid_shape_has_the_published_layout():
     assert drafter_config("qwen3-8b")["dflash_config"]["target_layer_ids"] == [1, 9, 17, 25, 33]
 
 
+def test_the_27b_half_shape_is_the_27b_s_first_layers_and_fits_one_48_gb_card():
+    """``qwen3.6-27b-half``: the 27B's first 32 layers (its sizes, its pattern), the drafter's taps spread
+    over them, target and drafter in bf16 well inside 48 GB (room left for caches and graphs)."""
+    from transformers import AutoModelForCausalLM
+
+    from workers.models.drafter import DFlashDrafter
+    from workers.models.drafter_config import DrafterSpec
+
+    half, whole = target_config("qwen3.6-27b-half"), target_config("qwen3.6-27b")
+    assert half.num_hidden_layers == 32 and half.layer_types == whole.layer_types[:32]
+    assert all(getattr(half, key) == getattr(whole, key) for key in ("hidden_size", "intermediate_size",
+               "num_attention_heads", "linear_num_value_heads", "vocab_size"))
+    spec = DrafterSpec.from_dict(drafter_config("qwen3.6-27b-half"))
+    assert spec.target_layer_ids == (1, 8, 15, 22, 29)
+    with torch.device("meta"):
+        target = AutoModelForCausalLM.from_config(half, dtype=torch.bfloat16)
+        spec.check_fits(target.config, target.get_input_embeddings().weight.shape[0], "random:qwen3.6-27b-half")
+        params = sum(p.numel() for p in target.parameters()) + sum(p.numel() for p in DFlashDrafter(spec).parameters())
+    assert 14e9 < params < 17e9 and 2 * params < 36e9, params
+
+
 def test_the_27b_drafter_shape_is_the_published_one():
     """z-lab/Qwen3.6-27B-DFlash: 5 layers of 32 heads / 8 KV heads of 128, four causal sliding-window
     layers (window 2048) and one full layer, taps [1, 16, 31, 46, 61], about 1.73B parameters."""
