@@ -39,8 +39,8 @@ TREE_WARPS = 4
 # and queries are loaded that many steps ahead; 3 is Triton's default). At 3 a bfloat16 model's program
 # takes 48 KB of shared memory, so an sm_86 or sm_89 SM (an RTX A6000's: 100 KB) holds 2 of them; at 2 it
 # takes 32 KB and 3 fit, registers allowing (``benchmarks/kernel_resources.py``). On sm_90 registers hold
-# it to 3 either way. Not yet timed on an A6000: ``benchmarks/gdn_kernels.py --stages 2,3`` says which is
-# faster there.
+# it to 3 either way, and an H100 times both depths the same. Not yet timed on an A6000:
+# ``benchmarks/gdn_kernels.py --stages 2,3`` says which is faster there.
 TREE_STAGES = 3
 # A commit's form: "replay" (``_commit_kernel``, the path token by token) or "chunk" (``_commit_chunk_kernel``,
 # the regrouped form, flat in the path's length). On an H100 the chunk form lost on 4 streams at every
