@@ -19,7 +19,7 @@ from forward_anatomy import graphed
 from gpu_speed import median_ms
 
 from workers.models.gdn import ancestor_table, tree_delta_rule_normalized
-from workers.models.gdn_triton import TREE_STAGES, tree_outputs
+from workers.models.gdn_triton import STAGE_CHOICES, tree_outputs
 from workers.models.shapes import TARGETS
 from workers.models.tree_blocks import tree_blocks
 
@@ -62,7 +62,8 @@ def main() -> int:
         kq = torch.stack((k_, q_), dim=1)  # the prologue's layout: [Hk, 2, q, dk]
         blocks = tree_blocks(ancestors)
         blocks_ms = median_ms(graphed(lambda: tree_blocks(ancestors)))
-        runs = [(4, p, TREE_STAGES) for p in precisions] + [(8, "tf32", TREE_STAGES)] + [(4, "tf32", n) for n in stages]
+        default = STAGE_CHOICES[0]  # the depth a tree pass takes unless a trial picks another
+        runs = [(4, p, default) for p in precisions] + [(8, "tf32", default)] + [(4, "tf32", n) for n in stages]
         solves = [median_ms(graphed(lambda w=w, p=p, n=n: tree_outputs(kq, v_, g, beta, state, ancestors, blocks,
                                                                        num_warps=w, precision=p, num_stages=n)))
                   for w, p, n in runs]

@@ -40,7 +40,7 @@ from workers.decoding.drafting import EagerDrafting, GraphDrafting, open_draftin
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.params import DFlashParams, TreeParams
 from workers.decoding.tree import build_tree, follow_tree
-from workers.models import attention_triton, lt_product, pdl_triton
+from workers.models import attention_triton, gdn_triton, lt_product, pdl_triton
 from workers.models.kernels import dependent_launches
 from workers.models.runner import loop
 from workers.models.runner.target import StaticTarget
@@ -397,12 +397,15 @@ def measure(args: argparse.Namespace) -> int:
 
 
 def lt_lines() -> list[str]:
-    """What ``lt_product`` timed and chose per product shape in this run (nothing with --no-lt), and the
-    attention's form per pass shape where it was chosen on trial (``--attention-form chosen``)."""
-    chosen, forms = lt_product.report(), attention_triton.report()
+    """What ``lt_product`` timed and chose per product shape in this run (nothing with --no-lt), the
+    attention's form per pass shape where it was chosen on trial (``--attention-form chosen``), and the GDN
+    tree kernel's pipeline depth per pass shape (hybrids)."""
+    chosen, forms, stages = lt_product.report(), attention_triton.report(), gdn_triton.stages_report()
     return ((["cuBLASLt per shape (lt_product: torch's call, the fastest offered algorithm, the choice):"] + chosen
              if chosen else [])
-            + (["attention form per pass shape (attention_triton: the trial, the choice):"] + forms if forms else []))
+            + (["attention form per pass shape (attention_triton: the trial, the choice):"] + forms if forms else [])
+            + (["GDN tree kernel's depth per pass shape (gdn_triton: the trial, the choice):"] + stages
+               if stages else []))
 
 
 def goal_lines(measured: dict) -> list[str]:

@@ -9,9 +9,10 @@
 #   gdn_triton.COMMIT_FORM            a GDN layer's commit token by token ("replay") or in the regrouped form
 #                                     ("chunk"): replay; on an H100 the chunk form lost on 4 streams at every
 #                                     path length (twentieth session)
-#   gdn_triton.TREE_STAGES            the GDN tree kernel's pipeline depth: 3 (Triton's default); on an RTX
-#                                     A6000 2 stages fit 3 programs an SM instead of 2 (an H100: the same
-#                                     time at both; an A6000 not yet timed)
+#   gdn_triton.TREE_STAGES            the GDN tree kernel's pipeline depth: None, chosen per pass shape on
+#                                     trial (3, Triton's default, unless 2 is 3% faster); on an RTX A6000 2
+#                                     stages fit 3 programs an SM instead of 2 (an H100: the same time at
+#                                     both; an A6000 not yet timed)
 # A switch goes on only where its timing shows a gain and its GPU tests pass; on another GPU (an RTX A6000)
 # `tests`, `stages`, `ab qwen3-8b` and, for the 27B's layers, `SHAPE=qwen3.6-27b-half ... commit` and
 # `ab qwen3.6-27b-half` say whether the same holds there. The whole 27B shape (`commit`'s default,

@@ -25,7 +25,7 @@ import time
 import torch
 from gpu_speed import model_sizes, random_tree  # a sibling script: benchmarks/ is on sys.path
 
-from workers.models import attention_triton, lt_product
+from workers.models import attention_triton, gdn_triton, lt_product
 from workers.models.gdn import MAX_PATH
 from workers.models.runner.target import StaticTarget
 from workers.models.shapes import build_random_drafter, build_random_target
@@ -145,6 +145,9 @@ def main() -> int:
     if attention_triton.report():
         print("the attention's form per pass shape (the trial, the choice):")
         print("\n".join(attention_triton.report()))
+    if gdn_triton.stages_report():
+        print("the GDN tree kernel's pipeline depth per pass shape (the trial, the choice):")
+        print("\n".join(gdn_triton.stages_report()))
     return 0
 
 

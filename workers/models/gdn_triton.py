@@ -25,6 +25,7 @@ tree solve (``_commit_chunk_kernel``); ``COMMIT_FORM`` picks.
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -39,9 +40,15 @@ TREE_WARPS = 4
 # and queries are loaded that many steps ahead; 3 is Triton's default). At 3 a bfloat16 model's program
 # takes 48 KB of shared memory, so an sm_86 or sm_89 SM (an RTX A6000's: 100 KB) holds 2 of them; at 2 it
 # takes 32 KB and 3 fit, registers allowing (``benchmarks/kernel_resources.py``). On sm_90 registers hold
-# it to 3 either way, and an H100 times both depths the same. Not yet timed on an A6000:
-# ``benchmarks/gdn_kernels.py --stages 2,3`` says which is faster there.
-TREE_STAGES = 3
+# it to 3 either way, and an H100 times both depths the same. No A6000 has timed them, so by default
+# (None) each tree-pass shape takes its depth on trial on the GPU at hand (``chosen_stages``): the first of
+# STAGE_CHOICES unless another gives the same bits and is STAGE_MARGIN faster. A number forces that depth.
+TREE_STAGES: int | None = None
+STAGE_CHOICES = (3, 2)
+STAGE_MARGIN = 0.03
+# (device, the pass's shapes and forms) -> the depth, kept for the process; and what each trial found
+_STAGES: dict[tuple, int] = {}
+_STAGE_TRIALS: dict[tuple, str] = {}
 # A commit's form: "replay" (``_commit_kernel``, the path token by token) or "chunk" (``_commit_chunk_kernel``,
 # the regrouped form, flat in the path's length). On an H100 the chunk form lost on 4 streams at every
 # length, 1 to 16 nodes (``benchmarks/commit_branches.py --forms replay,chunk``; results in
@@ -179,7 +186,7 @@ def tree_outputs(
     num_warps: int | None = None,
     precision: str | None = None,
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (z [q, H*dv], weight [dv], eps)
-    num_stages: int | None = None,  # TREE_STAGES unless given
+    num_stages: int | None = None,  # TREE_STAGES (or the depth chosen on trial) unless given
 ) -> torch.Tensor:
     """Outputs [q, H, dv] float32, as ``gdn.tree_delta_rule_normalized`` computes them; with
     ``norm``, ``gated_norm(outputs, z, weight, eps, model_dtype)`` [q, H*dv] instead, in the kernel's
@@ -197,22 +204,68 @@ def tree_outputs(
     count = slots.shape[0]
     apart = count * TREE_BLOCK < nodes  # the root left out of the blocks (``tree_blocks.root_apart``)
     precision = precision or ("tf32" if model_dtype == torch.bfloat16 else "tf32x3")
-    if norm is None:
-        out = torch.empty(nodes, heads, dv, dtype=torch.float32, device=v_.device)
-        z, weight, eps = out, out, 0.0  # not read
-    else:
-        z, weight, eps = norm
-        z = z if z.stride(-1) == 1 else z.contiguous()
-        out = torch.empty(nodes, heads * dv, dtype=model_dtype, device=v_.device)
-    _tree_block_kernel[(count + apart, heads)](
-        kq, v_.contiguous(), state.contiguous(), log_gate.float().contiguous(), beta.contiguous(), slots,
-        mask.view(torch.uint8), out, z, weight, nodes, z.stride(0), eps, count if apart else -1,
-        HEADS=heads, REPEAT=heads // key_heads, DK=dk, DV=dv, CONTEXT=slots.shape[1] - TREE_BLOCK,
-        BLOCK=TREE_BLOCK, BK=min(dk, PRODUCT_STEP),
-        FACTORS=max(1, (ancestors.shape[1] - 1).bit_length()), PRECISION=precision, NORMED=norm is not None,
-        num_warps=num_warps or TREE_WARPS, num_stages=num_stages or TREE_STAGES, **launch_options(out.device),
-    )
-    return out
+    v_, state, log_gate, beta = v_.contiguous(), state.contiguous(), log_gate.float().contiguous(), beta.contiguous()
+    z, weight, eps = norm if norm is not None else (v_, v_, 0.0)  # without the norm, not read
+    z = z if z.stride(-1) == 1 else z.contiguous()
+
+    def launch(stages: int) -> torch.Tensor:
+        if norm is None:
+            out = torch.empty(nodes, heads, dv, dtype=torch.float32, device=v_.device)
+        else:
+            out = torch.empty(nodes, heads * dv, dtype=model_dtype, device=v_.device)
+        _tree_block_kernel[(count + apart, heads)](
+            kq, v_, state, log_gate, beta, slots, mask.view(torch.uint8), out, z, weight, nodes, z.stride(0), eps,
+            count if apart else -1,
+            HEADS=heads, REPEAT=heads // key_heads, DK=dk, DV=dv, CONTEXT=slots.shape[1] - TREE_BLOCK,
+            BLOCK=TREE_BLOCK, BK=min(dk, PRODUCT_STEP),
+            FACTORS=max(1, (ancestors.shape[1] - 1).bit_length()), PRECISION=precision, NORMED=norm is not None,
+            num_warps=num_warps or TREE_WARPS, num_stages=stages, **launch_options(out.device),
+        )
+        return out
+
+    stages = num_stages or TREE_STAGES
+    if stages is None:
+        shape = (str(v_.device), tuple(kq.shape), tuple(v_.shape), tuple(slots.shape), apart, precision,
+                 norm is not None, model_dtype, num_warps)
+        stages = chosen_stages(shape, launch, v_.device)
+    return launch(stages)
+
+
+def chosen_stages(shape: tuple, launch, device: torch.device) -> int:
+    """The tree kernel's pipeline depth for a pass of this shape (``TREE_STAGES`` None), chosen at its first
+    call and kept for the process. First met inside ``lt_product.choosing()`` (the graphs' warm-ups), each of
+    STAGE_CHOICES runs on this call's own inputs (``launch(stages)``); a depth whose output is not the first
+    one's bit for bit is refused with a warning, and another replaces the first only where
+    ``lt_product.time_calls`` puts it STAGE_MARGIN under the first's time. First met anywhere else: the first
+    choice, untimed (a prompt's every last partial chunk would be timed inside timed runs)."""
+    from workers.models import lt_product
+
+    if shape not in _STAGES:
+        default = STAGE_CHOICES[0]
+        _STAGES[shape] = default
+        if lt_product.choosing_now():
+            first = launch(default)
+            agreeing = [default]
+            for stages in STAGE_CHOICES[1:]:
+                if torch.equal(launch(stages), first):
+                    agreeing.append(stages)
+                else:
+                    warnings.warn(f"gdn_triton: the tree kernel at {stages} stages gives other bits than at {default}; "
+                                  f"not taken")
+            times = lt_product.time_calls([lambda stages=stages: launch(stages) for stages in agreeing], device)
+            best = min(range(len(agreeing)), key=times.__getitem__)
+            if times[best] < (1 - STAGE_MARGIN) * times[0]:
+                _STAGES[shape] = agreeing[best]
+            per_call = 1e3 / lt_product.TIMED_CALLS
+            _STAGE_TRIALS[shape] = ", ".join(f"{stages} stages {ms * per_call:.1f} us"
+                                             for stages, ms in zip(agreeing, times, strict=True))
+    return _STAGES[shape]
+
+
+def stages_report() -> list[str]:
+    """A line per tree-pass shape whose depth was chosen on trial: what the trial found, the depth kept."""
+    return [f"{shape[0]} GDN tree kernel, {shape[1][2]} nodes, {shape[2][0]} heads: {found} -> {_STAGES[shape]} stages"
+            for shape, found in _STAGE_TRIALS.items()]
 
 
 class PrologueOutputs(NamedTuple):

@@ -96,6 +96,54 @@ def test_the_gated_norm_in_the_tree_kernels_epilogue_equals_the_norm_kernel_afte
     assert ((fused.float() - want).abs() <= torch.finfo(dtype).eps * want.abs() + 1e-6).all()
 
 
+@pytest.mark.parametrize("q", [17, 257])
+def test_every_depth_gives_the_same_bits_and_a_graph_replays_the_depth_chosen_on_trial(q, monkeypatch):
+    """The premise of choosing the tree kernel's pipeline depth on trial (``TREE_STAGES`` None): each of
+    STAGE_CHOICES gives the same bits (a bfloat16 model's tf32 products, the gated norm in the epilogue);
+    the trial inside ``lt_product.choosing()`` keeps one and a CUDA graph captured after it replays those
+    bits, on new inputs too."""
+    from workers.models import gdn_triton, lt_product
+    from workers.models.gdn import l2_normalize
+
+    monkeypatch.setattr(gdn_triton, "TREE_STAGES", None)
+    monkeypatch.setattr(gdn_triton, "_STAGES", {})
+    monkeypatch.setattr(gdn_triton, "_STAGE_TRIALS", {})
+    g = torch.Generator().manual_seed(q)
+    hk, h, d = 16, 48, 128  # the 27B's GDN heads
+    ancestors = ancestor_table(random_tree_parents(q, MAX_PATH - 1, g)).cuda()
+    kq = torch.stack((l2_normalize(torch.randn(hk, q, d, generator=g)),
+                      l2_normalize(torch.randn(hk, q, d, generator=g)) * d**-0.5), dim=1).cuda()
+    v_, state = torch.randn(h, q, d, generator=g).cuda(), (torch.randn(h, d, d, generator=g) * 0.3).cuda()
+    log_gate, beta = (-torch.rand(q, h, generator=g) * 2).cuda(), torch.rand(q, h, generator=g).cuda()
+    z = torch.randn(q, h * d, generator=g).to(torch.bfloat16).cuda()
+    weight = (1 + 0.1 * torch.randn(d, generator=g)).to(torch.bfloat16).cuda()
+
+    def solve(stages=None):
+        return gdn_triton.tree_outputs(kq, v_, log_gate, beta, state, ancestors, model_dtype=torch.bfloat16,
+                                       norm=(z, weight, 1e-6), num_stages=stages)
+
+    by_depth = [solve(stages) for stages in gdn_triton.STAGE_CHOICES]
+    assert all(torch.equal(out, by_depth[0]) for out in by_depth[1:])
+    with lt_product.choosing():
+        assert torch.equal(solve(), by_depth[0])
+    [line] = gdn_triton.stages_report()
+    assert f"{q} nodes, {h} heads" in line
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        solve()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = solve()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, by_depth[0])
+    v_.copy_(torch.randn(h, q, d, generator=g))
+    graph.replay()
+    assert torch.equal(replayed, solve(gdn_triton.STAGE_CHOICES[-1]))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prologue_kernel_equals_the_torch_conv_norms_and_gates(dtype):
     """The conv prologue reading the window and strided node inputs in place: the extended inputs

@@ -72,6 +72,57 @@ def test_the_tree_kernel_equals_the_torch_tree_form(q, depth, dk, dv):
     assert relative(normed, gated_norm(want, z, weight, 1e-6, torch.float32)) < 1e-5
 
 
+@torch.inference_mode()
+def test_the_tree_kernels_depth_is_chosen_once_per_pass_shape(monkeypatch):
+    """``TREE_STAGES`` None: a tree-pass shape first met inside ``lt_product.choosing()`` runs each of
+    STAGE_CHOICES on its own inputs and keeps another than the first only where it is STAGE_MARGIN faster
+    (here set so that it is kept whenever it agrees, then never); a depth whose bits differ is refused with a
+    warning; a shape first met outside ``choosing()`` keeps the first, untimed. Later calls run the kept
+    depth, and every depth gives the outputs of the depth named."""
+    from workers.models import gdn_triton, lt_product
+    from workers.models.gdn import ancestor_table, l2_normalize
+    from workers.models.gdn_triton import tree_outputs
+
+    monkeypatch.setattr(gdn_triton, "TREE_STAGES", None)
+    monkeypatch.setattr(lt_product, "TIMED_CALLS", 1)  # the interpreter's calls are slow; the order is the test
+    g = torch.Generator().manual_seed(5)
+    q, hk, h, d = 17, 2, 4, 16
+    ancestors = ancestor_table(random_tree_parents(q, 6, g))
+    kq = torch.stack((l2_normalize(torch.randn(hk, q, d, generator=g)),
+                      l2_normalize(torch.randn(hk, q, d, generator=g)) * d**-0.5), 1)
+    v_, state = torch.randn(h, q, d, generator=g), torch.randn(h, d, d, generator=g) * 0.3
+    log_gate, beta = -torch.rand(q, h, generator=g), torch.rand(q, h, generator=g)
+
+    def solve(stages=None):
+        return tree_outputs(kq, v_, log_gate, beta, state, ancestors, num_stages=stages)
+
+    named = solve(gdn_triton.STAGE_CHOICES[0])
+    for margin, kept in ((-100.0, gdn_triton.STAGE_CHOICES[1]), (0.99, gdn_triton.STAGE_CHOICES[0])):
+        monkeypatch.setattr(gdn_triton, "_STAGES", {})
+        monkeypatch.setattr(gdn_triton, "_STAGE_TRIALS", {})
+        monkeypatch.setattr(gdn_triton, "STAGE_MARGIN", margin)
+        with lt_product.choosing():
+            assert torch.equal(solve(), named)
+        assert torch.equal(solve(), named) and list(gdn_triton._STAGES.values()) == [kept]
+        [line] = gdn_triton.stages_report()
+        assert f"{q} nodes, {h} heads" in line and line.endswith(f"-> {kept} stages")
+        assert all(f"{stages} stages" in line for stages in gdn_triton.STAGE_CHOICES)
+
+    monkeypatch.setattr(gdn_triton, "_STAGES", {})
+    monkeypatch.setattr(gdn_triton, "_STAGE_TRIALS", {})
+    assert torch.equal(solve(), named) and gdn_triton.stages_report() == []  # first met outside: no trial
+    assert list(gdn_triton._STAGES.values()) == [gdn_triton.STAGE_CHOICES[0]]
+
+    # a depth whose bits differ from the first's is never taken, even where any other would be
+    monkeypatch.setattr(gdn_triton, "STAGE_MARGIN", -100.0)
+
+    def launch(stages):
+        return named + (stages != gdn_triton.STAGE_CHOICES[0])
+
+    with lt_product.choosing(), pytest.warns(UserWarning, match="other bits"):
+        assert gdn_triton.chosen_stages(("other",), launch, torch.device("cpu")) == gdn_triton.STAGE_CHOICES[0]
+
+
 def attention_case(heads, groups, q, capacity, length, dim, causal):
     """A pass's float16 attention inputs on the CPU (``attention_pass_inputs`` with each node's ends), and
     float32 attention over exactly its visible keys: [Hkv, g*q, D] and in o_proj's layout [q, Hq*D] (each
