@@ -31,11 +31,12 @@
 #   bash benchmarks/h200_switches.sh profile     # kernels of the wide passes, stages of B = 256 / 1024 rounds [460 s]
 #   bash benchmarks/h200_switches.sh tree        # the tree build per budget and count kernel; its GPU test [150 s]
 #   bash benchmarks/h200_switches.sh stages      # the GDN tree kernel at 2 and 3 stages, its GPU tests [240 s]
+#   bash benchmarks/h200_switches.sh beside      # 8B rounds with the commit in line / beside the draft [330 s]
 # Triton's compiled kernels outlive the machine: a call unpacks .device-cache/triton.tar.xz (if carried)
 # into a fixed folder (the cache records absolute paths) and leaves the grown cache in
 # $OUT/triton.tar.xz; copy that back to .device-cache/ before the next call, so it compiles nothing twice.
 set -euo pipefail
-usage="usage: bash benchmarks/h200_switches.sh wheels | MODE... (tests, commit, kernel, ab SHAPE, goals, profile, tree, stages)"
+usage="usage: bash benchmarks/h200_switches.sh wheels | MODE... (tests, commit, kernel, ab SHAPE, goals, profile, tree, stages, beside)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 
 if [ "$1" = wheels ]; then
@@ -106,10 +107,18 @@ stages() {  # gdn_triton.TREE_STAGES: the 27B's GDN heads, q = 17..1025, tf32 (a
   timeout 120 python3 benchmarks/gdn_kernels.py --shape qwen3.6-27b --stages 2,3
 }
 
+beside() {  # generation.COMMIT_BESIDE_DRAFT on the 8B shape (no GDN layers: the commit is the K/V move): the
+            # GPU's idle time by stage with it on and off, then whole rounds A/B'd in one process
+  timeout 80 python3 benchmarks/round_gaps.py --shape qwen3-8b --method ddtree --budget 256
+  timeout 80 python3 benchmarks/round_gaps.py --shape qwen3-8b --method ddtree --budget 256 --in-line
+  timeout 170 python3 benchmarks/commit_branches.py --shape qwen3-8b --branches 1,4 --forms replay --lengths 1 \
+    --rounds 5
+}
+
 modes=()  # checked before anything runs
 while [ $# -gt 0 ]; do
   case "$1" in
-    tests|commit|kernel|goals|profile|tree|stages) modes+=("$1"); shift ;;
+    tests|commit|kernel|goals|profile|tree|stages|beside) modes+=("$1"); shift ;;
     ab) [ $# -ge 2 ] || { echo "ab needs a shape: qwen3-8b, qwen3.6-27b or qwen3.6-27b-half" >&2; exit 2; }
         modes+=("ab $2"); shift 2 ;;
     *) echo "unknown mode $1; $usage" >&2; exit 2 ;;

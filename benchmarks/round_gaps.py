@@ -1,11 +1,12 @@
 """Where the GPU waits during decoding rounds: idle gaps between kernels, by the stage that ends them.
 
-    python benchmarks/round_gaps.py [--shape qwen3-8b] [--budget 64] [--method ddtree]
+    python benchmarks/round_gaps.py [--shape qwen3-8b] [--budget 64] [--method ddtree] [--in-line]
 
 Random weights of a named shape in bf16 on one GPU, CUDA graphs on, a short prompt (so the prefill
 is small) and 96 new tokens. The generation runs once to capture every graph, then again under
 torch.profiler with each engine stage annotated (``record_function``, no synchronisation). Prints
-the decode wall time per round, the GPU's kernel time per round, and the idle gaps between
+the decode wall time per round, the GPU's kernel time per round, the host's own time in each stage
+(a third run, untraced, timed by the host's clock), and the idle gaps between
 consecutive kernels summed by the stage whose launch ended them (the host work that stage did
 before its first kernel is what the GPU waited for), and the kernel time each stage launched, all
 over the rounds alone (the prompt's kernels, launched before any stage, are left out).
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from workers.decoding import generation
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.methods import entry
 from workers.models.runner.target import StaticTarget
@@ -39,6 +41,22 @@ class AnnotatingTimer:
     def stage(self, name: str):
         with record_function(f"stage:{name}"):
             yield
+
+
+class HostTimer:
+    """The engines' timer interface: sums the host's own time in each stage (no sync, no profiler). The
+    commit stage's includes its wait for the round's one host read."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def stage(self, name: str):
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals[name] += time.perf_counter() - begin
 
 
 def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> tuple[float, float, dict[str, list], dict[str, float], dict]:
@@ -87,7 +105,12 @@ def main() -> int:
     parser.add_argument("--shape", default="qwen3-8b")
     parser.add_argument("--method", choices=("ar", "dflash", "ddtree"), default="ddtree")
     parser.add_argument("--budget", type=int, action="append", help="DDTree budget (repeatable; default 16, 64, 256)")
+    parser.add_argument("--in-line", action="store_true",
+                        help="each round's commit in line after the next draft, not beside it "
+                             "(generation.COMMIT_BESIDE_DRAFT off)")
     args = parser.parse_args()
+    if args.in_line:
+        generation.COMMIT_BESIDE_DRAFT = False
     model = build_random_target(args.shape, torch.bfloat16, torch.device("cuda"))
     drafter = build_random_drafter(args.shape, model)
     target = StaticTarget(model, drafter.spec.target_layer_ids, graphs=True)
@@ -108,6 +131,8 @@ def main() -> int:
         begin = time.perf_counter()
         out = run()
         wall_ms = (time.perf_counter() - begin) * 1e3
+        host = HostTimer()
+        hosted = run(t=host)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             traced = run(t=AnnotatingTimer())
             torch.cuda.synchronize()
@@ -126,6 +151,9 @@ def main() -> int:
         lines.append(f"{'':>14} the kernels the GPU waited for most (ms/round, gaps/round): " + "; ".join(
             f"{stage}: {name} {sum(v) / 1e3 / rounds:.3f} ({len(v) / rounds:.1f})" for (stage, name), v in
             sorted(before.items(), key=lambda kv: -sum(kv[1]))[:8]))
+        lines.append(f"{'':>14} the host's time in each stage, untraced (ms/round): " + ", ".join(
+            f"{stage} {seconds * 1e3 / hosted.num_rounds:.2f}" for stage, seconds in
+            sorted(host.totals.items(), key=lambda kv: -kv[1])) + " (commit: with the wait for the host read)")
         lines.append(f"{'':>14} (whole call {wall_ms:.1f} ms untraced; traced kernel span {span / 1e3:.1f} ms "
                      "after the prompt)")
     print("\n".join(lines))
