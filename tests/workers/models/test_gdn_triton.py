@@ -97,12 +97,13 @@ def test_the_gated_norm_in_the_tree_kernels_epilogue_equals_the_norm_kernel_afte
 
 
 @pytest.mark.parametrize("q", [17, 257])
+@torch.inference_mode()
 def test_every_depth_gives_the_same_bits_and_a_graph_replays_the_depth_chosen_on_trial(q, monkeypatch):
     """The premise of choosing the tree kernel's pipeline depth on trial (``TREE_STAGES`` None): each of
-    STAGE_CHOICES gives the same bits (a bfloat16 model's tf32 products, the gated norm in the epilogue);
-    the trial inside ``lt_product.choosing()`` keeps one and a CUDA graph captured after it replays those
-    bits, on new inputs too."""
-    from workers.models import gdn_triton, lt_product
+    STAGE_CHOICES gives the same bits (a bfloat16 model's tf32 products, the gated norm in the epilogue).
+    A pass captured by ``graph_cache.capture`` has its depth chosen in the warm-ups (``stages_report``), and
+    the replay gives those bits, on new inputs too."""
+    from workers.models import gdn_triton, graph_cache
     from workers.models.gdn import l2_normalize
 
     monkeypatch.setattr(gdn_triton, "TREE_STAGES", None)
@@ -124,20 +125,10 @@ def test_every_depth_gives_the_same_bits_and_a_graph_replays_the_depth_chosen_on
 
     by_depth = [solve(stages) for stages in gdn_triton.STAGE_CHOICES]
     assert all(torch.equal(out, by_depth[0]) for out in by_depth[1:])
-    with lt_product.choosing():
-        assert torch.equal(solve(), by_depth[0])
+    graph, replayed = graph_cache.capture(solve)
     [line] = gdn_triton.stages_report()
     assert f"{q} nodes, {h} heads" in line
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        solve()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = solve()
     graph.replay()
-    torch.cuda.synchronize()
     assert torch.equal(replayed, by_depth[0])
     v_.copy_(torch.randn(h, q, d, generator=g))
     graph.replay()
