@@ -234,8 +234,8 @@ def tree_outputs(
 def chosen_stages(shape: tuple, launch, device: torch.device) -> int:
     """The tree kernel's pipeline depth for a pass of this shape (``TREE_STAGES`` None), chosen at its first
     call and kept for the process. First met inside ``lt_product.choosing()`` (the graphs' warm-ups), each of
-    STAGE_CHOICES runs on this call's own inputs (``launch(stages)``); a depth whose output is not the first
-    one's bit for bit is refused with a warning, and another replaces the first only where
+    STAGE_CHOICES runs on this call's own inputs (``launch(stages)``); a depth that fails or whose output is
+    not the first one's bit for bit is refused with a warning, and another replaces the first only where
     ``lt_product.time_calls`` puts it STAGE_MARGIN under the first's time. First met anywhere else: the first
     choice, untimed (a prompt's every last partial chunk would be timed inside timed runs)."""
     from workers.models import lt_product
@@ -247,7 +247,13 @@ def chosen_stages(shape: tuple, launch, device: torch.device) -> int:
             first = launch(default)
             agreeing = [default]
             for stages in STAGE_CHOICES[1:]:
-                if torch.equal(launch(stages), first):
+                try:
+                    out = launch(stages)
+                except Exception as exc:  # e.g. past this GPU's shared memory: the first depth stays
+                    warnings.warn(f"gdn_triton: the tree kernel failed at {stages} stages on its trial ({exc!r}); "
+                                  f"not taken")
+                    continue
+                if torch.equal(out, first):
                     agreeing.append(stages)
                 else:
                     warnings.warn(f"gdn_triton: the tree kernel at {stages} stages gives other bits than at {default}; "

@@ -77,8 +77,8 @@ def test_the_tree_kernels_depth_is_chosen_once_per_pass_shape(monkeypatch):
     """``TREE_STAGES`` None: a tree-pass shape first met inside ``lt_product.choosing()`` runs each of
     STAGE_CHOICES on its own inputs and keeps another than the first only where it is STAGE_MARGIN faster
     (here set so that it is kept whenever it agrees, then never); a depth whose bits differ is refused with a
-    warning; a shape first met outside ``choosing()`` keeps the first, untimed. Later calls run the kept
-    depth, and every depth gives the outputs of the depth named."""
+    warning, as is one that fails; a shape first met outside ``choosing()`` keeps the first, untimed. Later
+    calls run the kept depth, and every depth gives the outputs of the depth named."""
     from workers.models import gdn_triton, lt_product
     from workers.models.gdn import ancestor_table, l2_normalize
     from workers.models.gdn_triton import tree_outputs
@@ -121,6 +121,15 @@ def test_the_tree_kernels_depth_is_chosen_once_per_pass_shape(monkeypatch):
 
     with lt_product.choosing(), pytest.warns(UserWarning, match="other bits"):
         assert gdn_triton.chosen_stages(("other",), launch, torch.device("cpu")) == gdn_triton.STAGE_CHOICES[0]
+
+    # nor one that fails (say, past the GPU's shared memory)
+    def failing(stages):
+        if stages != gdn_triton.STAGE_CHOICES[0]:
+            raise RuntimeError("out of resources")
+        return named
+
+    with lt_product.choosing(), pytest.warns(UserWarning, match="failed at"):
+        assert gdn_triton.chosen_stages(("failing",), failing, torch.device("cpu")) == gdn_triton.STAGE_CHOICES[0]
 
 
 def attention_case(heads, groups, q, capacity, length, dim, causal):
