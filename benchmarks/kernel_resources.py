@@ -137,7 +137,7 @@ def gdn_launches(shape: dict, parents: torch.Tensor) -> list[Launch]:
     kq, v_ = torch.zeros(hk, 2, q, d), torch.zeros(h, q, d)
     g, beta, state = torch.zeros(q, h), torch.zeros(q, h, dtype=bf16), torch.zeros(h, d, d)
     # as a bfloat16 model runs them at either stage count (``gdn_triton.TREE_STAGES``), and a float32 model
-    runs = ((bf16, "tf32", 3), (bf16, "tf32", 2), (f32, "tf32x3", gdn_triton.STAGE_CHOICES[0]))
+    runs = [(bf16, "tf32", n) for n in gdn_triton.STAGE_CHOICES] + [(f32, "tf32x3", gdn_triton.STAGE_CHOICES[0])]
     for dtype, precision, stage_count in runs:
         norm = (torch.zeros(q, h * d, dtype=dtype), torch.zeros(d, dtype=dtype), 1e-6)
         label = f"GDN tree blocks + gated norm ({precision}, {stage_count} stages)"
