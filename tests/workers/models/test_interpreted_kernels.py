@@ -72,22 +72,23 @@ def test_the_tree_kernel_equals_the_torch_tree_form(q, depth, dk, dv):
     assert relative(normed, gated_norm(want, z, weight, 1e-6, torch.float32)) < 1e-5
 
 
+def halving_clock(calls: list, device: torch.device) -> list[float]:
+    """``lt_product.time_calls`` for the trials' tests: runs each call, and times each at half the one before
+    (the interpreter's times say nothing of a GPU's, and their order drifts with the host's load)."""
+    assert device.type == "cpu"
+    return [(call(), 0.5**i)[1] for i, call in enumerate(calls)]
+
+
 @torch.inference_mode()
 def test_the_tree_kernels_depth_is_chosen_once_per_pass_shape(monkeypatch):
     """``TREE_STAGES`` None: a tree-pass shape first met inside ``lt_product.choosing()`` runs each of
     STAGE_CHOICES on its own inputs and keeps another than the first only where it is STAGE_MARGIN faster; a
     depth whose bits differ is refused with a warning, as is one that fails; a shape first met outside
     ``choosing()`` keeps the first, untimed. Later calls run the kept depth, and every depth gives the outputs
-    of the depth named. The interpreter's times say nothing of a GPU's (and their order drifts with the host's
-    load), so the trial's clock here runs each call and reports each later depth at half the time of the one
-    before: the margin alone decides."""
+    of the depth named. The trial runs on ``halving_clock``: the margin alone decides."""
     from workers.models import gdn_triton, lt_product
     from workers.models.gdn import ancestor_table, l2_normalize
     from workers.models.gdn_triton import tree_outputs
-
-    def halving_clock(calls, device):
-        assert device.type == "cpu"
-        return [(call(), 0.5**i)[1] for i, call in enumerate(calls)]
 
     monkeypatch.setattr(gdn_triton, "TREE_STAGES", None)
     monkeypatch.setattr(lt_product, "time_calls", halving_clock)
@@ -224,7 +225,7 @@ def test_the_shared_work_equals_the_torch_attention(heads, groups, q, capacity, 
 def test_the_attention_form_is_chosen_once_per_pass_shape(monkeypatch):
     """``SHARED`` None: a pass shape first met inside ``lt_product.choosing()`` runs both forms on its own
     inputs and keeps the shared one where it agrees with the key splits and beats their time by FORM_MARGIN
-    (here set so that it is kept whenever it agrees, then never); later calls, outside, run the kept form
+    (``halving_clock`` times it at half theirs); later calls, outside, run the kept form
     (the same bits as that form named). A form that does not agree within FORM_AGREEMENT is refused with a
     warning; a shape first met outside ``choosing()`` keeps the key splits, untimed."""
     from workers.models import attention_triton, lt_product
@@ -234,7 +235,7 @@ def test_the_attention_form_is_chosen_once_per_pass_shape(monkeypatch):
     # shared among 3 programs
     monkeypatch.setattr(attention_triton, "multiprocessors", lambda device: 3)
     monkeypatch.setattr(attention_triton, "SHARED", None)
-    monkeypatch.setattr(lt_product, "TIMED_CALLS", 1)  # the interpreter's calls are slow; the order is the test
+    monkeypatch.setattr(lt_product, "time_calls", halving_clock)
     (query, key, value, mask, slots, ends), _, want_by_node = attention_case(2, 3, 30, 200, 100, 32, False)
 
     def attend(shared=None):
@@ -242,7 +243,7 @@ def test_the_attention_form_is_chosen_once_per_pass_shape(monkeypatch):
 
     split_form, shared_form = attend(False), attend(True)
     assert not torch.equal(split_form, shared_form)  # the two divisions differ at this shape
-    for margin, kept in ((-100.0, shared_form), (0.99, split_form)):  # kept when it agrees; then never
+    for margin, kept in ((0.4, shared_form), (0.6, split_form)):
         monkeypatch.setattr(attention_triton, "_FORMS", {})
         monkeypatch.setattr(attention_triton, "_TRIALS", {})
         monkeypatch.setattr(attention_triton, "FORM_MARGIN", margin)
@@ -251,7 +252,8 @@ def test_the_attention_form_is_chosen_once_per_pass_shape(monkeypatch):
         assert torch.equal(first, kept) and torch.equal(attend(), kept)
         assert relative(first, want_by_node) < 2e-3
         [line] = attention_triton.report()
-        assert "splits" in line and "shared" in line and line.endswith("shared" if margin < 0 else "key splits")
+        assert "splits" in line and "shared" in line
+        assert line.endswith("shared" if kept is shared_form else "key splits")
 
     monkeypatch.setattr(attention_triton, "_FORMS", {})
     monkeypatch.setattr(attention_triton, "_TRIALS", {})
