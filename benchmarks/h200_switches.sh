@@ -108,7 +108,8 @@ stages() {  # gdn_triton.TREE_STAGES: the 27B's GDN heads, q = 17..1025, tf32 (a
 }
 
 beside() {  # generation.COMMIT_BESIDE_DRAFT on the 8B shape (no GDN layers: the commit is the K/V move): the
-            # GPU's idle time by stage with it on and off, then whole rounds A/B'd in one process
+            # GPU's idle time by stage with it on and off (and the host's time from the read to the verify's launch:
+            # commit after the read, tree, verify), then whole rounds A/B'd in one process
   timeout 80 python3 benchmarks/round_gaps.py --shape qwen3-8b --method ddtree --budget 256
   timeout 80 python3 benchmarks/round_gaps.py --shape qwen3-8b --method ddtree --budget 256 --in-line
   timeout 170 python3 benchmarks/commit_branches.py --shape qwen3-8b --branches 1,4 --forms replay --lengths 1 \

@@ -5,11 +5,12 @@
 Random weights of a named shape in bf16 on one GPU, CUDA graphs on, a short prompt (so the prefill
 is small) and 96 new tokens. The generation runs once to capture every graph, then again under
 torch.profiler with each engine stage annotated (``record_function``, no synchronisation). Prints
-the decode wall time per round, the GPU's kernel time per round, the host's own time in each stage
-(a third run, untraced, timed by the host's clock), and the idle gaps between
-consecutive kernels summed by the stage whose launch ended them (the host work that stage did
-before its first kernel is what the GPU waited for), and the kernel time each stage launched, all
-over the rounds alone (the prompt's kernels, launched before any stage, are left out).
+the decode wall time per round, the GPU's busy time per round (some kernel running, on any stream),
+the host's own time in each stage (a third run, untraced, timed by the host's clock; the commit's wait
+for the round's read and what it does after that apart), the idle gaps (no kernel running on any
+stream) summed by the stage whose launch ended them (the host work that stage did before its first
+kernel is what the GPU waited for), and the kernel time each stage launched, all over the rounds alone
+(the prompt's kernels, launched before any stage, are left out).
 """
 
 from __future__ import annotations
@@ -45,10 +46,14 @@ class AnnotatingTimer:
 
 class HostTimer:
     """The engines' timer interface: sums the host's own time in each stage (no sync, no profiler). The
-    commit stage's includes its wait for the round's one host read."""
+    commit stage's includes its wait for the round's one host read; inside ``reads_timed()`` that wait is
+    also summed alone ("read wait"), and so is the host's time from the read's return to the end of its
+    commit stage ("commit after the read": the commit's queueing, which with the next round's tree and
+    verify stages is all the host does before the verify's launch, while the GPU runs the draft)."""
 
     def __init__(self):
         self.totals: dict[str, float] = defaultdict(float)
+        self._read_returned: float | None = None
 
     @contextmanager
     def stage(self, name: str):
@@ -56,16 +61,41 @@ class HostTimer:
         try:
             yield
         finally:
-            self.totals[name] += time.perf_counter() - begin
+            end = time.perf_counter()
+            self.totals[name] += end - begin
+            if name == "commit" and self._read_returned is not None:
+                self.totals["commit after the read"] += end - self._read_returned
+                self._read_returned = None
+
+    @contextmanager
+    def reads_timed(self):
+        """Inside: every ``generation.ReadLater`` read (the engines' one wait a round) is timed."""
+        untimed = generation.ReadLater.__call__
+
+        def timed(read):
+            begin = time.perf_counter()
+            try:
+                return untimed(read)
+            finally:
+                self._read_returned = time.perf_counter()
+                self.totals["read wait"] += self._read_returned - begin
+
+        generation.ReadLater.__call__ = timed
+        try:
+            yield
+        finally:
+            generation.ReadLater.__call__ = untimed
 
 
 def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> tuple[float, float, dict[str, list], dict[str, float], dict]:
-    """(kernel time us, span us, {stage: [gap us...]}, {stage: kernel us}, {(stage, kernel after the gap):
+    """(busy us, span us, {stage: [gap us...]}, {stage: kernel us}, {(stage, kernel after the gap):
     [gap us...]}) from a chrome trace: each kernel, and the gap before it, is charged to the annotated
     stage that was open on the host when that kernel was launched (a graph's kernels to the stage that
     launched the graph). Kernels launched before the first stage opened are the prompt's (its prefill and
     first token) and are left out, so the sums are the rounds' alone; the span starts at the first
-    round's first kernel."""
+    round's first kernel. Kernels on several streams overlap (a commit beside the draft, its branches):
+    busy is the time some kernel ran, and a gap is time none ran (not the time since the kernel that
+    started last ended), while a stage's kernel time sums its kernels' own."""
     events = trace["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                      key=lambda e: e["ts"])
@@ -83,19 +113,23 @@ def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> tuple[float, float, d
     rounds_begin = stages[0][0] if stages else float("-inf")
     busy, gaps, work, before = 0.0, defaultdict(list), defaultdict(float), defaultdict(list)
     first = None
-    for previous, kernel in zip(kernels, kernels[1:]):
+    ran_until = kernels[0]["ts"] + kernels[0]["dur"] if kernels else 0.0  # the latest end of a kernel so far
+    for kernel in kernels[1:]:
+        begin, end = kernel["ts"], kernel["ts"] + kernel["dur"]
         launch = launches.get(kernel.get("args", {}).get("correlation"))
         if launch is not None and launch["ts"] < rounds_begin:
+            ran_until = max(ran_until, end)
             continue  # the prompt's
         first = kernel if first is None else first
-        busy += kernel["dur"]
+        busy += max(0.0, end - max(begin, ran_until))
         stage = stage_at(launch["ts"]) if launch else "unknown"
         work[stage] += kernel["dur"]
-        gap = kernel["ts"] - (previous["ts"] + previous["dur"])
+        gap = begin - ran_until
         if gap >= min_gap_us and first is not kernel:  # (the first round kernel's gap follows the prompt)
             gaps[stage].append(gap)
             before[stage, kernel["name"][:60]].append(gap)
-    span = kernels[-1]["ts"] + kernels[-1]["dur"] - first["ts"] if first is not None else 0.0
+        ran_until = max(ran_until, end)
+    span = ran_until - first["ts"] if first is not None else 0.0
     return busy, span, gaps, work, before
 
 
@@ -122,7 +156,7 @@ def main() -> int:
     cases = [(f"{args.method}" + (f" B={b}" if b else ""), method.generate,
               method.params_from({"tree_budget": b} if b else {}) if method.needs_drafter else None)
              for b in budgets]
-    lines = [f"{'case':>14} {'rounds':>6} {'wall ms/round':>13} {'kernels ms/round':>16} {'idle ms/round':>13}  "
+    lines = [f"{'case':>14} {'rounds':>6} {'wall ms/round':>13} {'GPU busy ms/round':>17} {'idle ms/round':>13}  "
              "idle by stage (ms/round)"]
     for name, engine, params in cases:
         run = lambda e=engine, p=params, t=None: e(target, drafter if p else None, prompt, config, p,  # noqa: E731
@@ -132,7 +166,8 @@ def main() -> int:
         out = run()
         wall_ms = (time.perf_counter() - begin) * 1e3
         host = HostTimer()
-        hosted = run(t=host)
+        with host.reads_timed():
+            hosted = run(t=host)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             traced = run(t=AnnotatingTimer())
             torch.cuda.synchronize()
@@ -145,7 +180,7 @@ def main() -> int:
         by_stage = ", ".join(f"{stage} {sum(v) / 1e3 / rounds:.2f} ({len(v)})" for stage, v in
                              sorted(gaps.items(), key=lambda kv: -sum(kv[1])))
         lines.append(f"{name:>14} {out.num_rounds:>6} {out.decode_s * 1e3 / out.num_rounds:>13.2f} "
-                     f"{busy / 1e3 / rounds:>16.2f} {idle / 1e3 / rounds:>13.2f}  {by_stage}")
+                     f"{busy / 1e3 / rounds:>17.2f} {idle / 1e3 / rounds:>13.2f}  {by_stage}")
         lines.append(f"{'':>14} kernels by stage (ms/round): " + ", ".join(
             f"{stage} {us / 1e3 / rounds:.2f}" for stage, us in sorted(work.items(), key=lambda kv: -kv[1])))
         lines.append(f"{'':>14} the kernels the GPU waited for most (ms/round, gaps/round): " + "; ".join(
@@ -153,7 +188,7 @@ def main() -> int:
             sorted(before.items(), key=lambda kv: -sum(kv[1]))[:8]))
         lines.append(f"{'':>14} the host's time in each stage, untraced (ms/round): " + ", ".join(
             f"{stage} {seconds * 1e3 / hosted.num_rounds:.2f}" for stage, seconds in
-            sorted(host.totals.items(), key=lambda kv: -kv[1])) + " (commit: with the wait for the host read)")
+            sorted(host.totals.items(), key=lambda kv: -kv[1])) + " (commit: with the read wait)")
         lines.append(f"{'':>14} (whole call {wall_ms:.1f} ms untraced; traced kernel span {span / 1e3:.1f} ms "
                      "after the prompt)")
     print("\n".join(lines))

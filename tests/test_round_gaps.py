@@ -1,0 +1,77 @@
+"""``benchmarks/round_gaps.py``'s host timer on a real engine run (CPU, a random mini target and drafter):
+the commit stage's time split at the round's one read."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+WAIT = 0.02  # seconds each read sleeps before reading
+TOOL = Path(__file__).resolve().parents[1] / "benchmarks" / "round_gaps.py"
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("round_gaps", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["round_gaps"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@torch.inference_mode()
+def test_the_host_timer_splits_each_commit_at_its_read(monkeypatch):
+    """Inside ``reads_timed()`` each round's read wait and the host's time after it are summed apart, both
+    inside the commit stage; the read is untimed again after. Each read here first sleeps WAIT, as a host
+    waits for a GPU: the wait holds it, the time after the read does not."""
+    from workers.decoding import generation
+    from workers.decoding.generation import GenerationConfig
+    from workers.decoding.methods import entry
+    from workers.models.runner.target import StaticTarget
+    from workers.models.shapes import build_random_drafter, build_random_target
+
+    tool = load_tool()
+    torch.manual_seed(0)
+    model = build_random_target("qwen3-mini", torch.float32, torch.device("cpu"))
+    drafter = build_random_drafter("qwen3-mini", model)
+    target = StaticTarget(model, drafter.spec.target_layer_ids)
+    method = entry("ddtree")
+    untimed = generation.ReadLater.__call__
+
+    def waiting(read):
+        time.sleep(WAIT)
+        return untimed(read)
+
+    monkeypatch.setattr(generation.ReadLater, "__call__", waiting)
+    host = tool.HostTimer()
+    with host.reads_timed():
+        out = method.generate(target, drafter, torch.randint(1, 4000, (1, 12)), GenerationConfig(max_new_tokens=24),
+                              method.params_from({"tree_budget": 8}), timer=host)
+    assert generation.ReadLater.__call__ is waiting
+    totals, rounds = host.totals, out.num_rounds
+    assert rounds >= 2 and rounds * WAIT <= totals["read wait"] < 3 * rounds * WAIT  # (a sleep ends late, not early)
+    assert 0 < totals["commit after the read"] < rounds * WAIT / 2
+    assert totals["read wait"] + totals["commit after the read"] <= totals["commit"]
+
+
+def test_gaps_are_time_no_kernel_ran_on_any_stream():
+    """A chrome trace with a prompt kernel, then a round: two draft kernels on the main stream, a commit
+    kernel beside the first (a side stream, starting later and ending sooner), and a verify kernel after a
+    50 us wait. The commit's overlap is neither busy time twice nor a gap before the second draft kernel;
+    the one gap is the verify's, and each stage keeps its own kernels' time."""
+    tool = load_tool()
+    events = [{"cat": "user_annotation", "name": f"stage:{name}", "ts": begin, "dur": dur}
+              for name, begin, dur in (("draft", 20, 10), ("commit", 31, 9), ("verify", 60, 1))]
+    for correlation, (name, launched, begin, dur) in enumerate((
+            ("prompt", -5, 0, 10), ("draft 1", 21, 100, 100), ("commit", 35, 120, 20), ("draft 2", 22, 200, 50),
+            ("verify", 60.5, 300, 100))):
+        events.append({"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": launched, "dur": 1,
+                       "args": {"correlation": correlation}})
+        events.append({"cat": "kernel", "name": name, "ts": begin, "dur": dur, "args": {"correlation": correlation}})
+    busy, span, gaps, work, before = tool.gaps_by_stage({"traceEvents": events})
+    assert (busy, span) == (250, 300)
+    assert gaps == {"verify": [50]} and before == {("verify", "verify"): [50]}
+    assert work == {"draft": 150, "commit": 20, "verify": 100}
