@@ -82,9 +82,10 @@ def main() -> int:
     state = next(iter(targets.values())).state
     state_bytes = sum(s.numel() * s.element_size() for s in state.states.values())
     floor_us = 2 * state_bytes / bandwidth * 1e6
-    print(f"{args.shape}: {len(state.states)} GDN layers, {state_bytes / 1e6:.0f} MB of state; copy bandwidth "
-          f"{bandwidth / 1e12:.2f} TB/s -> a commit's floor {floor_us:.0f} us (the state read and written once); "
-          f"verified tree of {args.budget} nodes")
+    floor = (f"{len(state.states)} GDN layers, {state_bytes / 1e6:.0f} MB of state; copy bandwidth "
+             f"{bandwidth / 1e12:.2f} TB/s -> a commit's floor {floor_us:.0f} us (the state read and written once)"
+             if state.states else "no GDN layers: a commit is the accepted K/V rows' move")
+    print(f"{args.shape}: {floor}; verified tree of {args.budget} nodes")
 
     samples = {(b, form, n): [] for b, form in settings for n in lengths}
     for rep in range(args.reps + 2):  # the first two: the eager commit that is then captured, and a warm replay
