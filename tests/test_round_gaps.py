@@ -3,23 +3,13 @@ the commit stage's time split at the round's one read."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
-from pathlib import Path
 
 import torch
 
+from tests.helpers.benchmarks import load_benchmark
+
 WAIT = 0.02  # seconds each read sleeps before reading
-TOOL = Path(__file__).resolve().parents[1] / "benchmarks" / "round_gaps.py"
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location("round_gaps", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["round_gaps"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @torch.inference_mode()
@@ -33,7 +23,7 @@ def test_the_host_timer_splits_each_commit_at_its_read(monkeypatch):
     from workers.models.runner.target import StaticTarget
     from workers.models.shapes import build_random_drafter, build_random_target
 
-    tool = load_tool()
+    tool = load_benchmark("round_gaps")
     torch.manual_seed(0)
     model = build_random_target("qwen3-mini", torch.float32, torch.device("cpu"))
     drafter = build_random_drafter("qwen3-mini", model)
@@ -62,7 +52,7 @@ def test_gaps_are_time_no_kernel_ran_on_any_stream():
     kernel beside the first (a side stream, starting later and ending sooner), and a verify kernel after a
     50 us wait. The commit's overlap is neither busy time twice nor a gap before the second draft kernel;
     the one gap is the verify's, and each stage keeps its own kernels' time."""
-    tool = load_tool()
+    tool = load_benchmark("round_gaps")
     events = [{"cat": "user_annotation", "name": f"stage:{name}", "ts": begin, "dur": dur}
               for name, begin, dur in (("draft", 20, 10), ("commit", 31, 9), ("verify", 60, 1))]
     for correlation, (name, launched, begin, dur) in enumerate((

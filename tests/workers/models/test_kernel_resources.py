@@ -5,32 +5,19 @@ OutOfResources). Needs only ``triton`` and its bundled ptxas, no GPU; skipped wh
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 triton = pytest.importorskip("triton")
 
+from tests.helpers.benchmarks import load_benchmark  # noqa: E402
 from workers.models.shapes import TARGETS  # noqa: E402
-
-TOOL = Path(__file__).resolve().parents[3] / "benchmarks" / "kernel_resources.py"
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location("kernel_resources", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kernel_resources"] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_every_kernel_fits_an_a6000s_shared_memory():
     """Compiled as Triton's launcher specialises them (aligned pointers: vectorised, software-pipelined
     loads, whose stages take shared memory). A kernel with tiles tried in turn (the verify attention)
     needs one choice that fits."""
-    tool = load_tool()
+    tool = load_benchmark("kernel_resources")
     launches = tool.launches(TARGETS["qwen3.6-27b"])
     assert {launch.label.split(" (")[0] for launch in launches} >= {
         "GDN prologue", "GDN tree blocks + gated norm", "verify attention", "GDN commit", "GDN commit, regrouped",
@@ -54,7 +41,7 @@ def test_the_launch_specialisation_is_triton_s():
 
     from triton.backends.compiler import GPUTarget
 
-    tool = load_tool()
+    tool = load_benchmark("kernel_resources")
     launches = tool.launches(TARGETS["qwen3.6-27b"])
     launch = next(launch for launch in launches if launch.label.startswith("verify attention"))
     source, options = launch.source()
@@ -71,14 +58,14 @@ def test_the_launch_specialisation_is_triton_s():
     (32, 0, 16, 86, 3, "warps"),  # and 48 warps (by registers 4)
 ])
 def test_resident_blocks_follow_the_architectures_limits(regs, shared, warps, arch, blocks, binding):
-    tool = load_tool()
+    tool = load_benchmark("kernel_resources")
     assert tool.resident_blocks({"regs": regs, "shared": shared, "stack": 0}, warps, arch) == (blocks, binding)
 
 
 def test_two_pipeline_stages_let_three_gdn_tree_programs_share_an_a6000_sm():
     """What ``gdn_triton.TREE_STAGES`` says: a bfloat16 model's tree kernel at 3 stages takes 48 KB of
     shared memory, so 2 programs fit an sm_86 SM; at 2 stages 3 fit."""
-    tool = load_tool()
+    tool = load_benchmark("kernel_resources")
     tree = {launch.label: launch for launch in tool.launches(TARGETS["qwen3.6-27b"])
             if launch.label.startswith("GDN tree blocks + gated norm (tf32,")}
     resident = {label: tool.resident_blocks(tool.resources(launch, 86), launch.kwargs.get("num_warps", 4), 86)[0]
