@@ -20,19 +20,25 @@ class GrowingReader:
     """Fake per-device reader: numbers grow with each call; remembers the largest it returned."""
 
     def __init__(self) -> None:
-        self.calls = itertools.count(1)
+        self.made = 0  # calls so far
         self.max_seen: dict[int, tuple[int, int, int]] = {}
 
     def __call__(self, device: int) -> tuple[int, int, int | None]:
-        n = next(self.calls)
+        self.made += 1
+        n = self.made
         value = (n * MiB * (device + 1), 2 * n * MiB * (device + 1), 3 * n * MiB)
         self.max_seen[device] = value  # values only grow, so the last is the max
         return value
 
 
-def run_for(tracer: MemoryTracer, seconds: float) -> MemoryTrace:
+def run_for(tracer: MemoryTracer, seconds: float, until=lambda: True) -> MemoryTrace:
+    """The tracer run for ``seconds``, then on until ``until()`` holds (say, the reader called often enough:
+    on a busy machine the sampler thread can be starved for longer than a test's interval), a minute at most."""
     with tracer:
         time.sleep(seconds)
+        deadline = time.monotonic() + 60
+        while not until() and time.monotonic() < deadline:
+            time.sleep(0.01)
     return tracer.trace
 
 
@@ -137,7 +143,8 @@ def test_peak_gib_uses_reserved_bytes() -> None:
 
 
 def test_samples_arrive_at_roughly_the_interval() -> None:
-    trace = run_for(MemoryTracer(interval_ms=20, devices=[0, 1], reader=GrowingReader()), 0.3)
+    reader = GrowingReader()
+    trace = run_for(MemoryTracer(interval_ms=20, devices=[0, 1], reader=reader), 0.3, until=lambda: reader.made >= 4)
     for d in (0, 1):
         per_device = [s for s in trace.samples if s.device == d]
         assert len(per_device) >= 3  # loose: ~15 expected, but CI machines stall
@@ -157,12 +164,14 @@ def test_start_and_stop_each_take_a_sample() -> None:
 
 def test_peaks_are_the_max_seen_per_device() -> None:
     values = itertools.cycle([10, 50, 20])  # peak in the middle, so "last sample" would be wrong
+    calls = []
 
     def reader(device: int) -> tuple[int, int, int | None]:
+        calls.append(device)
         v = next(values) + device
         return v, 2 * v, (3 * v if device == 0 else None)
 
-    trace = run_for(MemoryTracer(interval_ms=5, devices=[0, 1], reader=reader), 0.1)
+    trace = run_for(MemoryTracer(interval_ms=5, devices=[0, 1], reader=reader), 0.1, until=lambda: len(calls) >= 8)
     for d in (0, 1):
         mine = [s for s in trace.samples if s.device == d]
         assert trace.peak_allocated_bytes[d] == max(s.allocated_bytes for s in mine)
@@ -173,7 +182,8 @@ def test_peaks_are_the_max_seen_per_device() -> None:
 
 def test_decimation_bounds_samples_and_keeps_peaks() -> None:
     reader = GrowingReader()
-    trace = run_for(MemoryTracer(interval_ms=1, devices=[0, 1], reader=reader, max_samples=10), 0.2)
+    trace = run_for(MemoryTracer(interval_ms=1, devices=[0, 1], reader=reader, max_samples=10), 0.2,
+                    until=lambda: reader.made >= 12)  # more than max_samples: decimated at least once
     assert 0 < len(trace.samples) <= 10
     assert trace.interval_ms > 1  # doubled at least once
     assert {s.device for s in trace.samples} == {0, 1}  # whole ticks kept, not every other device
@@ -188,15 +198,16 @@ def test_max_samples_below_device_count_raises() -> None:
 
 
 def test_reader_error_is_recorded_not_fatal() -> None:
-    calls = itertools.count()
+    calls = []
 
     def flaky(device: int) -> tuple[int, int, int | None]:
-        if next(calls) % 3 == 1:
+        calls.append(device)
+        if len(calls) % 3 == 2:
             raise RuntimeError("driver hiccup")
         return 1, 2, None
 
     tracer = MemoryTracer(interval_ms=5, devices=[0], reader=flaky)
-    trace = run_for(tracer, 0.1)
+    trace = run_for(tracer, 0.1, until=lambda: len(calls) >= 3)  # ok, failed, ok; stop's own sample after
     assert "sampling failed on device 0: RuntimeError: driver hiccup" in trace.note
     assert "sampling error(s)" in trace.note
     assert len(trace.samples) >= 2  # the thread kept going after the error
