@@ -23,9 +23,9 @@ import subprocess
 import time
 
 import torch
-from gpu_speed import model_sizes, random_tree  # a sibling script: benchmarks/ is on sys.path
+from gpu_speed import lt_lines, model_sizes, random_tree  # a sibling script: benchmarks/ is on sys.path
 
-from workers.models import attention_triton, gdn_triton, lt_product
+from workers.models import attention_triton
 from workers.models.gdn import MAX_PATH
 from workers.models.runner.target import StaticTarget
 from workers.models.shapes import build_random_drafter, build_random_target
@@ -140,14 +140,7 @@ def main() -> int:
             against = f"{bandwidth[0] / 1e12:>9.2f} TB/s {bandwidth[1] / 1e12:>12.2f} TB/s"
         print(f"{label:>22} {burst:>9.3f} {sustained:>10.3f} {sustained / burst:>10.3f}  {against}  {after}")
         print(f"{'':>22} {quartiles}")
-    print("lt_product's choices (torch's call, the fastest offered algorithm, the choice):")
-    print("\n".join(lt_product.report()) or "  none timed")
-    if attention_triton.report():
-        print("the attention's form per pass shape (the trial, the choice):")
-        print("\n".join(attention_triton.report()))
-    if gdn_triton.stages_report():
-        print("the GDN tree kernel's pipeline depth per pass shape (the trial, the choice):")
-        print("\n".join(gdn_triton.stages_report()))
+    print("\n".join(lt_lines()) or "lt_product: no product shape timed")
     return 0
 
 
