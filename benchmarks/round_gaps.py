@@ -8,9 +8,10 @@ torch.profiler with each engine stage annotated (``record_function``, no synchro
 the decode wall time per round, the GPU's busy time per round (some kernel running, on any stream),
 the host's own time in each stage (a third run, untraced, timed by the host's clock; the commit's wait
 for the round's read and what it does after that apart), the idle gaps (no kernel running on any
-stream) summed by the stage whose launch ended them (the host work that stage did before its first
-kernel is what the GPU waited for), and the kernel time each stage launched, all over the rounds alone
-(the prompt's kernels, launched before any stage, are left out).
+stream) summed by the stage whose launch ended them, the part of them before the host began that launch
+(the GPU waiting for the host; the rest is the launch's latency or a wait on another stream; the
+profiler slows each launch, so this part is an upper bound), and the kernel time each stage launched,
+all over the rounds alone (the prompt's kernels, launched before any stage, are left out).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import tempfile
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -87,15 +89,30 @@ class HostTimer:
             generation.ReadLater.__call__ = untimed
 
 
-def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> tuple[float, float, dict[str, list], dict[str, float], dict]:
-    """(busy us, span us, {stage: [gap us...]}, {stage: kernel us}, {(stage, kernel after the gap):
-    [gap us...]}) from a chrome trace: each kernel, and the gap before it, is charged to the annotated
-    stage that was open on the host when that kernel was launched (a graph's kernels to the stage that
-    launched the graph). Kernels launched before the first stage opened are the prompt's (its prefill and
-    first token) and are left out, so the sums are the rounds' alone; the span starts at the first
+@dataclass
+class Gaps:
+    """A traced run's rounds: the GPU's busy time and span (us), and by the stage that launched them (see
+    ``gaps_by_stage``) the gaps, their host-late part, and the kernels' own time."""
+
+    busy: float  # time some kernel ran, on any stream
+    span: float  # the first round kernel's start to the last kernel's end
+    gaps: dict[str, list[float]]  # stage -> each gap (no kernel running) before one of its kernels
+    late: dict[str, float]  # stage -> the part of its gaps before the host began the launch
+    work: dict[str, float]  # stage -> its kernels' summed durations
+    before: dict[tuple[str, str], list[float]]  # (stage, kernel name) -> the gaps before that kernel
+
+
+def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> Gaps:
+    """The rounds' ``Gaps`` from a chrome trace: each kernel, and the gap before it, is charged to the
+    annotated stage that was open on the host when that kernel was launched (a graph's kernels to the stage
+    that launched the graph). Kernels launched before the first stage opened are the prompt's (its prefill
+    and first token) and are left out, so the sums are the rounds' alone; the span starts at the first
     round's first kernel. Kernels on several streams overlap (a commit beside the draft, its branches):
     busy is the time some kernel ran, and a gap is time none ran (not the time since the kernel that
-    started last ended), while a stage's kernel time sums its kernels' own."""
+    started last ended), while a stage's kernel time sums its kernels' own. A gap's host-late part runs
+    from the GPU going idle to the host beginning that kernel's launch call (a graph's: the graph's): the
+    GPU waited for the host; the rest of the gap, the launch's own latency or a wait on another stream,
+    was the device's."""
     events = trace["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                      key=lambda e: e["ts"])
@@ -111,7 +128,7 @@ def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> tuple[float, float, d
         return "between stages"
 
     rounds_begin = stages[0][0] if stages else float("-inf")
-    busy, gaps, work, before = 0.0, defaultdict(list), defaultdict(float), defaultdict(list)
+    out = Gaps(0.0, 0.0, defaultdict(list), defaultdict(float), defaultdict(float), defaultdict(list))
     first = None
     ran_until = kernels[0]["ts"] + kernels[0]["dur"] if kernels else 0.0  # the latest end of a kernel so far
     for kernel in kernels[1:]:
@@ -121,16 +138,18 @@ def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> tuple[float, float, d
             ran_until = max(ran_until, end)
             continue  # the prompt's
         first = kernel if first is None else first
-        busy += max(0.0, end - max(begin, ran_until))
+        out.busy += max(0.0, end - max(begin, ran_until))
         stage = stage_at(launch["ts"]) if launch else "unknown"
-        work[stage] += kernel["dur"]
+        out.work[stage] += kernel["dur"]
         gap = begin - ran_until
         if gap >= min_gap_us and first is not kernel:  # (the first round kernel's gap follows the prompt)
-            gaps[stage].append(gap)
-            before[stage, kernel["name"][:60]].append(gap)
+            out.gaps[stage].append(gap)
+            out.before[stage, kernel["name"][:60]].append(gap)
+            if launch is not None:
+                out.late[stage] += min(gap, max(0.0, launch["ts"] - ran_until))
         ran_until = max(ran_until, end)
-    span = ran_until - first["ts"] if first is not None else 0.0
-    return busy, span, gaps, work, before
+    out.span = ran_until - first["ts"] if first is not None else 0.0
+    return out
 
 
 @torch.inference_mode()
@@ -174,23 +193,27 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "trace.json"
             prof.export_chrome_trace(str(path))
-            busy, span, gaps, work, before = gaps_by_stage(json.loads(path.read_text()))
+            traced_gaps = gaps_by_stage(json.loads(path.read_text()))
         rounds = traced.num_rounds
-        idle = sum(sum(v) for v in gaps.values())
+        idle = sum(sum(v) for v in traced_gaps.gaps.values())
         by_stage = ", ".join(f"{stage} {sum(v) / 1e3 / rounds:.2f} ({len(v)})" for stage, v in
-                             sorted(gaps.items(), key=lambda kv: -sum(kv[1])))
+                             sorted(traced_gaps.gaps.items(), key=lambda kv: -sum(kv[1])))
         lines.append(f"{name:>14} {out.num_rounds:>6} {out.decode_s * 1e3 / out.num_rounds:>13.2f} "
-                     f"{busy / 1e3 / rounds:>17.2f} {idle / 1e3 / rounds:>13.2f}  {by_stage}")
+                     f"{traced_gaps.busy / 1e3 / rounds:>17.2f} {idle / 1e3 / rounds:>13.2f}  {by_stage}")
+        lines.append(f"{'':>14} of the idle, the host late (its launch begun after the GPU went idle; ms/round): "
+                     + ", ".join(f"{stage} {traced_gaps.late[stage] / 1e3 / rounds:.2f}" for stage, v in
+                                 sorted(traced_gaps.gaps.items(), key=lambda kv: -sum(kv[1]))))
         lines.append(f"{'':>14} kernels by stage (ms/round): " + ", ".join(
-            f"{stage} {us / 1e3 / rounds:.2f}" for stage, us in sorted(work.items(), key=lambda kv: -kv[1])))
+            f"{stage} {us / 1e3 / rounds:.2f}" for stage, us in
+            sorted(traced_gaps.work.items(), key=lambda kv: -kv[1])))
         lines.append(f"{'':>14} the kernels the GPU waited for most (ms/round, gaps/round): " + "; ".join(
             f"{stage}: {name} {sum(v) / 1e3 / rounds:.3f} ({len(v) / rounds:.1f})" for (stage, name), v in
-            sorted(before.items(), key=lambda kv: -sum(kv[1]))[:8]))
+            sorted(traced_gaps.before.items(), key=lambda kv: -sum(kv[1]))[:8]))
         lines.append(f"{'':>14} the host's time in each stage, untraced (ms/round): " + ", ".join(
             f"{stage} {seconds * 1e3 / hosted.num_rounds:.2f}" for stage, seconds in
             sorted(host.totals.items(), key=lambda kv: -kv[1])) + " (commit: with the read wait)")
-        lines.append(f"{'':>14} (whole call {wall_ms:.1f} ms untraced; traced kernel span {span / 1e3:.1f} ms "
-                     "after the prompt)")
+        lines.append(f"{'':>14} (whole call {wall_ms:.1f} ms untraced; traced kernel span "
+                     f"{traced_gaps.span / 1e3:.1f} ms after the prompt)")
     print("\n".join(lines))
     return 0
 

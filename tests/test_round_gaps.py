@@ -49,19 +49,22 @@ def test_the_host_timer_splits_each_commit_at_its_read(monkeypatch):
 
 def test_gaps_are_time_no_kernel_ran_on_any_stream():
     """A chrome trace with a prompt kernel, then a round: two draft kernels on the main stream, a commit
-    kernel beside the first (a side stream, starting later and ending sooner), and a verify kernel after a
-    50 us wait. The commit's overlap is neither busy time twice nor a gap before the second draft kernel;
-    the one gap is the verify's, and each stage keeps its own kernels' time."""
+    kernel beside the first (a side stream, starting later and ending sooner), a verify kernel after a 50 us
+    wait launched long before it (the device's wait), and a tree kernel whose launch began 20 us after the
+    GPU went idle (the host late). The commit's overlap is neither busy time twice nor a gap before the
+    second draft kernel; each stage keeps its own kernels' time."""
     tool = load_benchmark("round_gaps")
     events = [{"cat": "user_annotation", "name": f"stage:{name}", "ts": begin, "dur": dur}
-              for name, begin, dur in (("draft", 20, 10), ("commit", 31, 9), ("verify", 60, 1))]
+              for name, begin, dur in (("draft", 20, 10), ("commit", 31, 9), ("verify", 60, 1), ("tree", 410, 20))]
     for correlation, (name, launched, begin, dur) in enumerate((
             ("prompt", -5, 0, 10), ("draft 1", 21, 100, 100), ("commit", 35, 120, 20), ("draft 2", 22, 200, 50),
-            ("verify", 60.5, 300, 100))):
+            ("verify", 60.5, 300, 100), ("tree", 420, 430, 10))):
         events.append({"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": launched, "dur": 1,
                        "args": {"correlation": correlation}})
         events.append({"cat": "kernel", "name": name, "ts": begin, "dur": dur, "args": {"correlation": correlation}})
-    busy, span, gaps, work, before = tool.gaps_by_stage({"traceEvents": events})
-    assert (busy, span) == (250, 300)
-    assert gaps == {"verify": [50]} and before == {("verify", "verify"): [50]}
-    assert work == {"draft": 150, "commit": 20, "verify": 100}
+    gaps = tool.gaps_by_stage({"traceEvents": events})
+    assert (gaps.busy, gaps.span) == (260, 340)
+    assert gaps.gaps == {"verify": [50], "tree": [30]}
+    assert gaps.before == {("verify", "verify"): [50], ("tree", "tree"): [30]}
+    assert gaps.late == {"verify": 0, "tree": 20}
+    assert gaps.work == {"draft": 150, "commit": 20, "verify": 100, "tree": 10}
