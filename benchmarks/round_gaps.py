@@ -10,8 +10,10 @@ the host's own time in each stage (a third run, untraced, timed by the host's cl
 for the round's read and what it does after that apart), the idle gaps (no kernel running on any
 stream) summed by the stage whose launch ended them, the part of them before the host began that launch
 (the GPU waiting for the host; the rest is the launch's latency or a wait on another stream; the
-profiler slows each launch, so this part is an upper bound), and the kernel time each stage launched,
-all over the rounds alone (the prompt's kernels, launched before any stage, are left out).
+profiler slows each launch, so this part is an upper bound), the idle each time a stage opened as
+quantiles (a few stalls of the profiler's can make a sum look like a steady wait), and the kernel time
+each stage launched, all over the rounds alone (the prompt's kernels, launched before any stage, are
+left out).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import tempfile
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -100,6 +102,9 @@ class Gaps:
     late: dict[str, float]  # stage -> the part of its gaps before the host began the launch
     work: dict[str, float]  # stage -> its kernels' summed durations
     before: dict[tuple[str, str], list[float]]  # (stage, kernel name) -> the gaps before that kernel
+    # stage -> the idle charged to each time the stage opened (zeros too): a steady wait and a few long
+    # ones (a profiler's stall) can sum alike, and differ here
+    per_opening: dict[str, list[float]] = field(default_factory=dict)
 
 
 def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> Gaps:
@@ -112,7 +117,8 @@ def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> Gaps:
     started last ended), while a stage's kernel time sums its kernels' own. A gap's host-late part runs
     from the GPU going idle to the host beginning that kernel's launch call (a graph's: the graph's): the
     GPU waited for the host; the rest of the gap, the launch's own latency or a wait on another stream,
-    was the device's."""
+    was the device's. Each stage's idle is also kept per opening of the stage (its quantiles tell a steady
+    wait from a few long ones)."""
     events = trace["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                      key=lambda e: e["ts"])
@@ -121,14 +127,15 @@ def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> Gaps:
     stages = sorted(((e["ts"], e["ts"] + e["dur"], e["name"][6:]) for e in events
                      if e.get("cat") == "user_annotation" and e["name"].startswith("stage:")))
 
-    def stage_at(ts: float) -> str:
-        for begin, end, name in stages:
+    def opening_at(ts: float) -> int | None:
+        for index, (begin, end, _) in enumerate(stages):
             if begin <= ts <= end:
-                return name
-        return "between stages"
+                return index
+        return None
 
     rounds_begin = stages[0][0] if stages else float("-inf")
     out = Gaps(0.0, 0.0, defaultdict(list), defaultdict(float), defaultdict(float), defaultdict(list))
+    idle_by_opening = [0.0] * len(stages)
     first = None
     ran_until = kernels[0]["ts"] + kernels[0]["dur"] if kernels else 0.0  # the latest end of a kernel so far
     for kernel in kernels[1:]:
@@ -139,7 +146,8 @@ def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> Gaps:
             continue  # the prompt's
         first = kernel if first is None else first
         out.busy += max(0.0, end - max(begin, ran_until))
-        stage = stage_at(launch["ts"]) if launch else "unknown"
+        opening = opening_at(launch["ts"]) if launch else None
+        stage = stages[opening][2] if opening is not None else "between stages" if launch else "unknown"
         out.work[stage] += kernel["dur"]
         gap = begin - ran_until
         if gap >= min_gap_us and first is not kernel:  # (the first round kernel's gap follows the prompt)
@@ -147,9 +155,19 @@ def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> Gaps:
             out.before[stage, kernel["name"][:60]].append(gap)
             if launch is not None:
                 out.late[stage] += min(gap, max(0.0, launch["ts"] - ran_until))
+            if opening is not None:
+                idle_by_opening[opening] += gap
         ran_until = max(ran_until, end)
     out.span = ran_until - first["ts"] if first is not None else 0.0
+    for (_, _, name), idle in zip(stages, idle_by_opening):
+        out.per_opening.setdefault(name, []).append(idle)
     return out
+
+
+def quantile(values: list[float], fraction: float) -> float:
+    """The value ``fraction`` of the way up ``values`` sorted (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
 @torch.inference_mode()
@@ -203,6 +221,9 @@ def main() -> int:
         lines.append(f"{'':>14} of the idle, the host late (its launch begun after the GPU went idle; ms/round): "
                      + ", ".join(f"{stage} {traced_gaps.late[stage] / 1e3 / rounds:.2f}" for stage, v in
                                  sorted(traced_gaps.gaps.items(), key=lambda kv: -sum(kv[1]))))
+        lines.append(f"{'':>14} idle each time a stage opened, median / 90th percentile / most (us): " + ", ".join(
+            f"{stage} {quantile(v, 0.5):.1f} / {quantile(v, 0.9):.1f} / {max(v):.1f}" for stage, v in
+            sorted(traced_gaps.per_opening.items(), key=lambda kv: -sum(kv[1]))))
         lines.append(f"{'':>14} kernels by stage (ms/round): " + ", ".join(
             f"{stage} {us / 1e3 / rounds:.2f}" for stage, us in
             sorted(traced_gaps.work.items(), key=lambda kv: -kv[1])))
