@@ -13,7 +13,8 @@ stream) summed by the stage whose launch ended them, the part of them before the
 profiler slows each launch, so this part is an upper bound), the idle each time a stage opened as
 quantiles (a few stalls of the profiler's can make a sum look like a steady wait), and the kernel time
 each stage launched, all over the rounds alone (the prompt's kernels, launched before any stage, are
-left out).
+left out). Last, untraced, the verify graph's replays back to back and each after its input copies: a wait
+the trace shows between the two that the GPU pays untraced lengthens the second.
 """
 
 from __future__ import annotations
@@ -164,6 +165,35 @@ def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> Gaps:
     return out
 
 
+def verify_replays_ms(target: StaticTarget, batches: int = 7, replays: int = 40) -> dict[str, list[float]]:
+    """The last verify pass's graph replayed untraced, ``replays`` a batch timed by CUDA events, the batches
+    of each form interleaved: back to back, and each replay after the pass's input copies (``load_verify``,
+    as a round runs them). A wait the profiler shows between those copies and the graph's first kernel
+    costs the difference. Empty when no verify graph was replayed (AR)."""
+    keys = target.verify_graphs.cache.keys()
+    if not keys:
+        return {}
+    q = keys[-1][0]  # the most recently replayed pass's width
+    graph, state = target.verify_graphs.cache[keys[-1]][0], target.state
+    inputs = (state.ids[:q].clone(), state.depths[:q].clone(), state.parents[:q].clone(),
+              state.visible[:q, :q].clone())
+    forms = {"back to back": lambda: None,
+             "after its input copies": lambda: state.load_verify(*inputs, chain=False)}
+    times: dict[str, list[float]] = {name: [] for name in forms}
+    for _ in range(batches):
+        for name, before in forms.items():
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(replays):
+                before()
+                graph.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / replays)
+    return times
+
+
 def quantile(values: list[float], fraction: float) -> float:
     """The value ``fraction`` of the way up ``values`` sorted (nearest rank)."""
     ordered = sorted(values)
@@ -235,6 +265,10 @@ def main() -> int:
             sorted(host.totals.items(), key=lambda kv: -kv[1])) + " (commit: with the read wait)")
         lines.append(f"{'':>14} (whole call {wall_ms:.1f} ms untraced; traced kernel span "
                      f"{traced_gaps.span / 1e3:.1f} ms after the prompt)")
+        replays = verify_replays_ms(target)
+        if replays:
+            lines.append(f"{'':>14} the verify graph replayed untraced, ms (median, min-max of 7 x 40): " + ", ".join(
+                f"{form} {quantile(v, 0.5):.3f} ({min(v):.3f}-{max(v):.3f})" for form, v in replays.items()))
     print("\n".join(lines))
     return 0
 
