@@ -5,7 +5,9 @@
 #                                     that form chosen per pass shape on trial (None); off: on an H200 the
 #                                     shared form lost at every pass shape timed (seventeenth session)
 #   runner.loop.COMMIT_BRANCHES       a commit's pieces (the K/V move, each GDN layer) on several streams: 4
-#   generation.COMMIT_BESIDE_DRAFT    the commit beside the next draft instead of after it: on
+#   generation.COMMIT_BESIDE_DRAFT    the commit beside the next draft instead of after it: on (27B on an H200:
+#                                     DFlash rounds 0.2 ms shorter; 8B on an H100: the same either way,
+#                                     twenty-fourth session)
 #   gdn_triton.COMMIT_FORM            a GDN layer's commit token by token ("replay") or in the regrouped form
 #                                     ("chunk"): replay; on an H100 the chunk form lost on 4 streams at every
 #                                     path length (twentieth session)
