@@ -34,6 +34,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from workers.decoding import generation
 from workers.decoding.generation import GenerationConfig
 from workers.decoding.methods import entry
+from workers.metrics import quantile
 from workers.models.runner.target import StaticTarget
 from workers.models.shapes import build_random_drafter, build_random_target
 
@@ -192,12 +193,6 @@ def verify_replays_ms(target: StaticTarget, batches: int = 7, replays: int = 40)
             end.synchronize()
             times[name].append(start.elapsed_time(end) / replays)
     return times
-
-
-def quantile(values: list[float], fraction: float) -> float:
-    """The value ``fraction`` of the way up ``values`` sorted (nearest rank)."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
 @torch.inference_mode()
