@@ -25,7 +25,7 @@ import tempfile
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -106,7 +106,7 @@ class Gaps:
     before: dict[tuple[str, str], list[float]]  # (stage, kernel name) -> the gaps before that kernel
     # stage -> the idle charged to each time the stage opened (zeros too): a steady wait and a few long
     # ones (a profiler's stall) can sum alike, and differ here
-    per_opening: dict[str, list[float]] = field(default_factory=dict)
+    per_opening: dict[str, list[float]]
 
 
 def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> Gaps:
@@ -136,7 +136,7 @@ def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> Gaps:
         return None
 
     rounds_begin = stages[0][0] if stages else float("-inf")
-    out = Gaps(0.0, 0.0, defaultdict(list), defaultdict(float), defaultdict(float), defaultdict(list))
+    out = Gaps(0.0, 0.0, defaultdict(list), defaultdict(float), defaultdict(float), defaultdict(list), {})
     idle_by_opening = [0.0] * len(stages)
     first = None
     ran_until = kernels[0]["ts"] + kernels[0]["dur"] if kernels else 0.0  # the latest end of a kernel so far
