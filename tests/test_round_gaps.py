@@ -48,24 +48,26 @@ def test_the_host_timer_splits_each_commit_at_its_read(monkeypatch):
 
 
 def test_gaps_are_time_no_kernel_ran_on_any_stream():
-    """A chrome trace with a prompt kernel, then a round: two draft kernels on the main stream, a commit
-    kernel beside the first (a side stream, starting later and ending sooner), a verify kernel after a 50 us
-    wait launched long before it (the device's wait), and a tree kernel whose launch began 20 us after the
-    GPU went idle (the host late). The commit's overlap is neither busy time twice nor a gap before the
-    second draft kernel; each stage keeps its own kernels' time."""
+    """A chrome trace with a prompt kernel, the engines' opening draft, then a round: two draft kernels on the
+    main stream, a commit kernel beside the first (a side stream, starting later and ending sooner), a verify
+    kernel after a 50 us wait launched long before it (the device's wait), and a tree kernel whose launch
+    began 20 us after the GPU went idle (the host late). The commit's overlap is neither busy time twice nor a
+    gap before the second draft kernel; each stage keeps its own kernels' time, and the opening draft is
+    not the round's."""
     tool = load_benchmark("round_gaps")
     events = [{"cat": "user_annotation", "name": f"stage:{name}", "ts": begin, "dur": dur}
-              for name, begin, dur in (("draft", 20, 10), ("commit", 31, 9), ("verify", 60, 1), ("tree", 410, 20))]
+              for name, begin, dur in (("draft", 10, 5), ("draft", 20, 10), ("commit", 31, 9), ("verify", 60, 1),
+                                       ("tree", 410, 20))]
     for correlation, (name, launched, begin, dur) in enumerate((
-            ("prompt", -5, 0, 10), ("draft 1", 21, 100, 100), ("commit", 35, 120, 20), ("draft 2", 22, 200, 50),
-            ("verify", 60.5, 300, 100), ("tree", 420, 430, 10))):
+            ("prompt", -5, 0, 10), ("opening", 11, 95, 4), ("draft 1", 21, 100, 100), ("commit", 35, 120, 20),
+            ("draft 2", 22, 200, 50), ("verify", 60.5, 300, 100), ("tree", 420, 430, 10))):
         events.append({"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": launched, "dur": 1,
                        "args": {"correlation": correlation}})
         events.append({"cat": "kernel", "name": name, "ts": begin, "dur": dur, "args": {"correlation": correlation}})
     gaps = tool.gaps_by_stage({"traceEvents": events})
-    assert (gaps.busy, gaps.span) == (260, 340)
+    assert (gaps.busy, gaps.span) == (264, 345)
     assert gaps.gaps == {"verify": [50], "tree": [30]}
     assert gaps.before == {("verify", "verify"): [50], ("tree", "tree"): [30]}
     assert gaps.late == {"verify": 0, "tree": 20}
-    assert gaps.work == {"draft": 150, "commit": 20, "verify": 100, "tree": 10}
-    assert gaps.per_opening == {"draft": [0], "commit": [0], "verify": [50], "tree": [30]}
+    assert gaps.work == {"opening draft": 4, "draft": 150, "commit": 20, "verify": 100, "tree": 10}
+    assert gaps.per_opening == {"opening draft": [0], "draft": [0], "commit": [0], "verify": [50], "tree": [30]}
