@@ -45,6 +45,7 @@ def test_the_host_timer_splits_each_commit_at_its_read(monkeypatch):
     assert rounds >= 2 and rounds * WAIT <= totals["read wait"] < 3 * rounds * WAIT  # (a sleep ends late, not early)
     assert 0 < totals["commit after the read"] < rounds * WAIT / 2
     assert totals["read wait"] + totals["commit after the read"] <= totals["commit"]
+    assert totals["opening draft"] > 0 and totals["draft"] > 0  # the first draft apart from the rounds'
 
 
 def test_gaps_are_time_no_kernel_ran_on_any_stream():
