@@ -34,11 +34,12 @@
 #   bash benchmarks/h200_switches.sh tree        # the tree build per budget and count kernel; its GPU test [150 s]
 #   bash benchmarks/h200_switches.sh stages      # the GDN tree kernel at 2 and 3 stages, its GPU tests [240 s]
 #   bash benchmarks/h200_switches.sh beside      # 8B rounds with the commit in line / beside the draft [330 s]
+#   bash benchmarks/h200_switches.sh suite       # every GPU test of tests/workers, then the kernels' resources [520 s]
 # Triton's compiled kernels outlive the machine: a call unpacks .device-cache/triton.tar.xz (if carried)
 # into a fixed folder (the cache records absolute paths) and leaves the grown cache in
 # $OUT/triton.tar.xz; copy that back to .device-cache/ before the next call, so it compiles nothing twice.
 set -euo pipefail
-usage="usage: bash benchmarks/h200_switches.sh wheels | MODE... (tests, commit, kernel, ab SHAPE, goals, profile, tree, stages, beside)"
+usage="usage: bash benchmarks/h200_switches.sh wheels | MODE... (tests, commit, kernel, ab SHAPE, goals, profile, tree, stages, beside, suite)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 
 if [ "$1" = wheels ]; then
@@ -118,10 +119,16 @@ beside() {  # generation.COMMIT_BESIDE_DRAFT on the 8B shape (no GDN layers: the
     --rounds 5
 }
 
+suite() {  # `make test-gpu` without its install (the device has no Ray, MLflow or Optuna): the files that hold GPU
+           # tests, so none is collected that imports those
+  timeout 420 python3 -m pytest -q -n 8 -m gpu -p no:cacheprovider $(grep -rl "mark.gpu" tests/workers)
+  timeout 100 python3 -m pytest -q tests/workers/models/test_kernel_resources.py
+}
+
 modes=()  # checked before anything runs
 while [ $# -gt 0 ]; do
   case "$1" in
-    tests|commit|kernel|goals|profile|tree|stages|beside) modes+=("$1"); shift ;;
+    tests|commit|kernel|goals|profile|tree|stages|beside|suite) modes+=("$1"); shift ;;
     ab) [ $# -ge 2 ] || { echo "ab needs a shape: qwen3-8b, qwen3.6-27b or qwen3.6-27b-half" >&2; exit 2; }
         modes+=("ab $2"); shift 2 ;;
     *) echo "unknown mode $1; $usage" >&2; exit 2 ;;
