@@ -39,6 +39,8 @@ from workers.metrics import quantile
 from workers.models.runner.target import StaticTarget
 from workers.models.shapes import build_random_drafter, build_random_target
 
+OPENING_DRAFT = "opening draft"  # the name both timings give the engines' first draft, once a generation
+
 
 class AnnotatingTimer:
     """The engines' timer interface: marks each stage in the profiler trace, adds no sync."""
@@ -66,7 +68,7 @@ class HostTimer:
     @contextmanager
     def stage(self, name: str):
         if not self.totals and name == "draft":
-            name = "opening draft"
+            name = OPENING_DRAFT
         begin = time.perf_counter()
         try:
             yield
@@ -134,7 +136,7 @@ def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> Gaps:
     stages = sorted(((e["ts"], e["ts"] + e["dur"], e["name"][6:]) for e in events
                      if e.get("cat") == "user_annotation" and e["name"].startswith("stage:")))
     if stages and stages[0][2] == "draft":  # the engines' first draft reads the prompt's context, eagerly: once
-        stages[0] = (*stages[0][:2], "opening draft")
+        stages[0] = (*stages[0][:2], OPENING_DRAFT)
 
     def opening_at(ts: float) -> int | None:
         for index, (begin, end, _) in enumerate(stages):

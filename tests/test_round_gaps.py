@@ -1,5 +1,5 @@
-"""``benchmarks/round_gaps.py``'s host timer on a real engine run (CPU, a random mini target and drafter):
-the commit stage's time split at the round's one read."""
+"""``benchmarks/round_gaps.py``: its host timer on a real engine run (CPU, a random mini target and drafter),
+the commit stage's time split at the round's one read; and its reading of a trace (a synthetic one)."""
 
 from __future__ import annotations
 
