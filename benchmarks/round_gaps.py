@@ -13,7 +13,7 @@ stream) summed by the stage whose launch ended them, the part of them before the
 profiler slows each launch, so this part is an upper bound), the idle each time a stage opened as
 quantiles (a few stalls of the profiler's can make a sum look like a steady wait), and the kernel time
 each stage launched, all over the rounds alone (the prompt's kernels, launched before any stage, are
-left out; the speculative engines' first draft, eager on the prompt's context, is "opening draft").
+left out; the speculative engines' first draft, over the prompt's context, is "opening draft").
 Last, untraced, the verify graph's replays back to back and each after its input copies: a wait the
 trace shows between the two that the GPU pays untraced lengthens the second.
 """
@@ -126,7 +126,7 @@ def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> Gaps:
     from the GPU going idle to the host beginning that kernel's launch call (a graph's: the graph's): the
     GPU waited for the host; the rest of the gap, the launch's own latency or a wait on another stream,
     was the device's. Each stage's idle is also kept per opening of the stage (its quantiles tell a steady
-    wait from a few long ones). The speculative engines' first draft, before their first round (eager, on the
+    wait from a few long ones). The speculative engines' first draft, before their first round (over the
     prompt's context, once a generation), is its own stage, "opening draft"."""
     events = trace["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
@@ -135,7 +135,7 @@ def gaps_by_stage(trace: dict, min_gap_us: float = 2.0) -> Gaps:
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     stages = sorted(((e["ts"], e["ts"] + e["dur"], e["name"][6:]) for e in events
                      if e.get("cat") == "user_annotation" and e["name"].startswith("stage:")))
-    if stages and stages[0][2] == "draft":  # the engines' first draft reads the prompt's context, eagerly: once
+    if stages and stages[0][2] == "draft":  # the engines' first draft reads the prompt's context: once
         stages[0] = (*stages[0][:2], OPENING_DRAFT)
 
     def opening_at(ts: float) -> int | None:

@@ -7,10 +7,11 @@ drafter's ``Lattice`` of candidates. DFlash drafts its ``chain``, DDTree builds 
 ``open_drafting`` picks the way once per generation:
 
 - ``EagerDrafting``: the pass launched op by op (CPU, targets split over devices, debugging);
-- ``GraphDrafting``: the pass replayed from a CUDA graph per drafted rows, and the tree build from a
-  graph per tree knobs. Graphs hold the addresses of its buffers and drafter
-  cache, so one ``GraphDrafting`` is kept for as long as the target lives, by a ``DraftGraphStore``
-  in the target's ``drafter_graphs`` (beside the target's own graphs), and reset per generation.
+- ``GraphDrafting``: the pass replayed from a CUDA graph per drafted rows (a prompt's context but its
+  last block written ahead eagerly), and the tree build from a graph per tree knobs. Graphs hold the
+  addresses of its buffers and drafter cache, so one ``GraphDrafting`` is kept for as long as the
+  target lives, by a ``DraftGraphStore`` in the target's ``drafter_graphs`` (beside the target's own
+  graphs), and reset per generation.
 
 Both have the same calls: ``draft(bonus, new_context, rows) -> Draft``, ``chain(draft) -> tokens
 [rows]`` and ``build_tree(draft, params) -> DraftTree``, and the round's form of ``draft``:
@@ -62,6 +63,19 @@ def _check_room(cache: DrafterCache, rows: int) -> None:
     """A pass writes ``rows`` slots past the committed context: refuse one the cache cannot hold."""
     if cache.length + rows > cache.capacity:
         raise RuntimeError(f"drafter cache overflow: {cache.length + rows} > capacity {cache.capacity}")
+
+
+def write_leading_context(drafter: DFlashDrafter, cache: DrafterCache, new_context: torch.Tensor) -> torch.Tensor:
+    """A new context [1, T, k*H] longer than the drafter's block (a prompt's) cut to its last block of
+    rows, the rows before them written into the cache (``DFlashDrafter.write_context``), so the pass
+    that drafts is the round's pass, replayed. Run whole and eagerly, that first pass launches every
+    layer's kernels one by one, inside the decode time (``benchmarks/gpu_speed.py``: "a generation's
+    first draft")."""
+    leading = new_context.shape[1] - drafter.block_size
+    if leading <= 0:
+        return new_context
+    drafter.write_context(new_context[:, :leading], cache)
+    return new_context[:, leading:]
 
 
 def chain(draft: Draft) -> torch.Tensor:
@@ -116,12 +130,11 @@ class GraphDrafting:
         self.tree_graphs = GraphCache(4)
 
     def draft(self, bonus: torch.Tensor, new_context: torch.Tensor, rows: int) -> Draft:
-        """The proposal for ``rows`` positions: replayed for a round's few new tokens (the graph's
-        static output, valid until the next call), eager for a longer context (the prompt, once per
-        generation)."""
+        """The proposal for ``rows`` positions, replayed (the graph's static output, valid until the next
+        call). A context longer than a block (the prompt, once per generation) has its leading rows
+        written eagerly first (``write_leading_context``); its last block of rows rides the round's pass."""
+        new_context = write_leading_context(self.drafter, self.cache, new_context)
         num_new = new_context.shape[1]
-        if num_new > self.drafter.block_size:
-            return _eager_pass(self.drafter, self.target, self.cache, bonus, new_context, rows)
         self.count.fill_(num_new)
         proposal = self._replay(bonus, new_context, rows)
         self.advance(num_new)

@@ -152,6 +152,21 @@ class DFlashDrafter(nn.Module):
         by_kind = {kind: attention_mask(kind, query_positions, key_positions, exists, dtype) for kind in set(kinds)}
         return [by_kind[kind] for kind in kinds]
 
+    def write_context(self, new_context: torch.Tensor, cache: DrafterCache) -> None:
+        """The context part of a pass: every layer's K/V of new_context [1, T, k*H] (target taps of the
+        tokens committed since the last pass) into cache slots length..length+T-1, and length advanced.
+        It needs no block, so a long context (a prompt) can be written ahead of the pass that drafts."""
+        num_new, start = new_context.shape[1], cache.length
+        if start + num_new > cache.capacity:
+            raise RuntimeError(f"drafter cache overflow: {start + num_new} > capacity {cache.capacity}")
+        if num_new:
+            context = self.hidden_norm(self.fc(new_context))
+            rope = self._rope(context, start, num_new)
+            for layer, keys, values in zip(self.layers, cache.keys, cache.values, strict=True):
+                keys[:, :, start : start + num_new], values[:, :, start : start + num_new] = (
+                    layer.self_attn.key_value(context, *rope))
+        cache.length = start + num_new
+
     def forward(self, block_embeds: torch.Tensor, new_context: torch.Tensor, cache: DrafterCache) -> torch.Tensor:
         """One drafting pass.
 
@@ -161,12 +176,8 @@ class DFlashDrafter(nn.Module):
         Returns the final-normed hidden states of the block [1, b, H]; feed them to the target lm_head.
         A sliding layer reads only the cache slots its window reaches (slot = position).
         """
-        num_new, block = new_context.shape[1], block_embeds.shape[1]
-        ctx_start, block_start = cache.length, cache.length + num_new
-        if block_start > cache.capacity:
-            raise RuntimeError(f"drafter cache overflow: {block_start} > capacity {cache.capacity}")
-        context = self.hidden_norm(self.fc(new_context))
-        ctx_rope = self._rope(context, ctx_start, num_new)
+        self.write_context(new_context, cache)
+        block, block_start = block_embeds.shape[1], cache.length
         block_rope = self._rope(block_embeds, block_start, block)
         device = block_embeds.device
         block_positions = torch.arange(block_start, block_start + block, device=device)
@@ -177,15 +188,9 @@ class DFlashDrafter(nn.Module):
             reach[kind] = (first, attention_mask(kind, block_positions, key_positions, None, block_embeds.dtype))
         hidden = block_embeds
         for index, layer in enumerate(self.layers):
-            keys, values = cache.keys[index], cache.values[index]
-            if num_new:
-                k_ctx, v_ctx = layer.self_attn.key_value(context, *ctx_rope)
-                keys[:, :, ctx_start:block_start] = k_ctx
-                values[:, :, ctx_start:block_start] = v_ctx
             first, mask = reach[self.spec.layer_attention[index]]
-            hidden = layer.block_step(hidden, block_rope, keys[:, :, first:block_start],
-                                      values[:, :, first:block_start], mask)
-        cache.length = block_start
+            hidden = layer.block_step(hidden, block_rope, cache.keys[index][:, :, first:block_start],
+                                      cache.values[index][:, :, first:block_start], mask)
         return self.norm(hidden)
 
     def forward_at(

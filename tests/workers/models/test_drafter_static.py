@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.workers.models.test_drafter_attention import CASES, drafter_for, inputs
+from tests.workers.models.test_drafter_attention import BLOCK, CASES, drafter_for, inputs
 
 ROUNDS = (4, 1, 6, 2, 5, 1, 3, 6)  # a prompt of 4 (within one block), then rounds committing 1..6 tokens
 
@@ -55,6 +55,36 @@ def test_a_counted_pass_over_padded_context_equals_the_plain_pass(case, fused):
                                      fused=fused, count=torch.tensor(new))
             counted.length += new
             torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["plain DFlash", "Qwen3.6-27B layout", "window inside the block"])
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("prompt", [BLOCK + 1, 3 * BLOCK + 2])
+def test_a_prompt_written_ahead_then_drafted_as_a_round_equals_the_plain_pass(case, fused, prompt):
+    """``GraphDrafting``'s first draft, eagerly: a prompt longer than a block has its leading rows'
+    K/V written ahead (``write_leading_context``) and its last block of rows taken by the round's
+    counted pass. That pass, and the rounds after it, must give the plain pass's hidden states, past
+    every window; the cache must hold the same K/V (the order of the writes changed)."""
+    from workers.decoding.drafting import write_leading_context
+
+    layers, change, _ = CASES[case]
+    drafter = drafter_for(layers, change)
+    taps, block_embeds = inputs(drafter, prompt + sum(ROUNDS))
+    plain, ahead = drafter.new_cache(96), drafter.new_cache(96)
+    with torch.inference_mode():
+        for new in (prompt, *ROUNDS):
+            context = taps[None, plain.length : plain.length + new]
+            want = drafter(block_embeds[None], context, plain)
+            last = write_leading_context(drafter, ahead, context)
+            assert last.shape[1] == min(new, BLOCK) and ahead.length == plain.length - last.shape[1]
+            padded = torch.zeros(1, BLOCK, taps.shape[1])
+            padded[:, : last.shape[1]] = last
+            got = drafter.forward_at(block_embeds[None], padded, ahead, torch.tensor(ahead.length), fused=fused,
+                                     count=torch.tensor(last.shape[1]))
+            ahead.length += last.shape[1]
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+        for kept, written in zip(plain.pairs, ahead.pairs, strict=True):
+            torch.testing.assert_close(written[:, :, :, : plain.length], kept[:, :, :, : plain.length])
 
 
 def test_context_slots_keep_the_padding_past_the_block():
