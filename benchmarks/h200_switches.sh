@@ -35,11 +35,12 @@
 #   bash benchmarks/h200_switches.sh stages      # the GDN tree kernel at 2 and 3 stages, its GPU tests [240 s]
 #   bash benchmarks/h200_switches.sh beside      # 8B rounds with the commit in line / beside the draft [330 s]
 #   bash benchmarks/h200_switches.sh suite       # every GPU test of tests/workers, then the kernels' resources [520 s]
+#   bash benchmarks/h200_switches.sh first       # benchmarks/first_draft.py: 8B, then $SHAPE or 27B [400 s]
 # Triton's compiled kernels outlive the machine: a call unpacks .device-cache/triton.tar.xz (if carried)
 # into a fixed folder (the cache records absolute paths) and leaves the grown cache in
 # $OUT/triton.tar.xz; copy that back to .device-cache/ before the next call, so it compiles nothing twice.
 set -euo pipefail
-usage="usage: bash benchmarks/h200_switches.sh wheels | MODE... (tests, commit, kernel, ab SHAPE, goals, profile, tree, stages, beside, suite)"
+usage="usage: bash benchmarks/h200_switches.sh wheels | MODE... (tests, commit, kernel, ab SHAPE, goals, profile, tree, stages, beside, suite, first)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 
 if [ "$1" = wheels ]; then
@@ -125,10 +126,16 @@ suite() {  # `make test-gpu` without its install (the device has no Ray, MLflow 
   timeout 100 python3 -m pytest -q tests/workers/models/test_kernel_resources.py
 }
 
+first() {  # a generation's first draft, one eager pass against the engines' (leading rows written ahead), and
+           # the decode time of whole generations either way, AR beside
+  timeout 180 python3 benchmarks/first_draft.py --shapes qwen3-8b
+  timeout 220 python3 benchmarks/first_draft.py --shapes "${SHAPE:-qwen3.6-27b}"
+}
+
 modes=()  # checked before anything runs
 while [ $# -gt 0 ]; do
   case "$1" in
-    tests|commit|kernel|goals|profile|tree|stages|beside|suite) modes+=("$1"); shift ;;
+    tests|commit|kernel|goals|profile|tree|stages|beside|suite|first) modes+=("$1"); shift ;;
     ab) [ $# -ge 2 ] || { echo "ab needs a shape: qwen3-8b, qwen3.6-27b or qwen3.6-27b-half" >&2; exit 2; }
         modes+=("ab $2"); shift 2 ;;
     *) echo "unknown mode $1; $usage" >&2; exit 2 ;;
