@@ -1,6 +1,7 @@
 """The drafter's capturable pass (``forward_at``: device-side length, whole cache under a mask) must
 equal its plain pass round after round, with new contexts of every length a round can commit, also
-when the count of new context rows is a device scalar over a padded context."""
+when the count of new context rows is a device scalar over a padded context, and after a prompt's
+context but its last block was written ahead (a generation's first draft on CUDA)."""
 
 from __future__ import annotations
 
