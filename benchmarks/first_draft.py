@@ -82,19 +82,25 @@ def first_drafts(drafter, target, context: int, vocab: int) -> str:
 
 def generations(drafter, target, prompt: torch.Tensor, new_tokens: int, reps: int) -> list[str]:
     config = GenerationConfig(max_new_tokens=new_tokens)
-    runs: dict[str, list[float]] = {label: [] for label in ("ar", "dflash eager first", "dflash now",
-                                                             "ddtree64 eager first", "ddtree64 now")}
+
+    def dflash_run():
+        return dflash.generate(target, drafter, prompt, config, DFlashParams())
+
+    def ddtree_run():
+        return ddtree.generate(target, drafter, prompt, config, TreeParams(64))
+
+    # label: (the generation, whether its first draft is one eager pass)
+    ways = {"ar": (lambda: ar.generate(target, None, prompt, config), False),
+            "dflash eager first": (dflash_run, True), "dflash now": (dflash_run, False),
+            "ddtree64 eager first": (ddtree_run, True), "ddtree64 now": (ddtree_run, False)}
+    runs: dict[str, list[float]] = {label: [] for label in ways}
     tokens: dict[str, list[int]] = {}
 
     def run(label: str) -> None:
-        D.GraphDrafting.draft = eager_first_draft if label.endswith("eager first") else ENGINES_DRAFT
+        generate, eager_first = ways[label]
+        D.GraphDrafting.draft = eager_first_draft if eager_first else ENGINES_DRAFT
         try:
-            if label == "ar":
-                out = ar.generate(target, None, prompt, config)
-            elif label.startswith("dflash"):
-                out = dflash.generate(target, drafter, prompt, config, DFlashParams())
-            else:
-                out = ddtree.generate(target, drafter, prompt, config, TreeParams(64))
+            out = generate()
         finally:
             D.GraphDrafting.draft = ENGINES_DRAFT
         runs[label].append(out.decode_s * 1e3)
