@@ -1,13 +1,15 @@
-"""What a generation's first draft costs in its decode time, as one eager pass over the prompt's taps
-and as the engines run it now (``GraphDrafting.draft``: the prompt's context but its last block
-written ahead eagerly, then the round's replayed pass). CUDA only; random weights of the named shapes.
+"""What a generation's first draft costs in its decode time, in the three forms it has had: one eager
+pass over the prompt's taps ("eager pass"), the prompt's context but its last block written ahead
+eagerly then the round's replayed pass ("eager write", c853d92), and that write replayed from a graph
+a chunk of rows at a time ("graph write": ``GraphDrafting.write_ahead``, the engines' form). CUDA
+only; random weights of the named shapes.
 
 For each shape and prompt length it prints:
-- the first draft alone, both ways, and a round's draft beside it (ms, median (min-max) of 15);
+- the first draft alone, each form, and a round's draft beside it (ms, median (min-max) of 15);
 - whole generations (16 and 64 new tokens) interleaved, ``--reps`` each: AR beside DFlash and DDTree
-  (B = 64), each speculative one with the first draft as one eager pass ("eager first") and as the
-  engines run it ("now"): decode ms, median (min-max), and whether each one's tokens equal AR's (in
-  bfloat16 a wide verify need not give AR's bits, so that is information, not a check).
+  (B = 64), each speculative one with the prompt's write eager and by the graph: decode ms, median
+  (min-max), and whether each one's tokens equal AR's (in bfloat16 a wide verify need not give AR's
+  bits, so that is information, not a check).
 
     python benchmarks/first_draft.py --shapes qwen3-8b,qwen3.6-27b
 """
@@ -15,8 +17,10 @@ For each shape and prompt length it prints:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -27,14 +31,33 @@ from workers.decoding.params import DFlashParams, TreeParams
 from workers.models.runner.target import StaticTarget
 from workers.models.shapes import build_random_drafter, build_random_target
 
-ENGINES_DRAFT = D.GraphDrafting.draft
+ENGINES_DRAFT, ENGINES_WRITE = D.GraphDrafting.draft, D.GraphDrafting.write_ahead
 
 
-def eager_first_draft(self, bonus, new_context, rows):
-    """``GraphDrafting.draft`` with a prompt's whole context through one eager pass (the baseline)."""
+def one_eager_pass(self, bonus, new_context, rows):
+    """``GraphDrafting.draft`` with a prompt's whole context through one eager pass."""
     if new_context.shape[1] > self.drafter.block_size:
         return D._eager_pass(self.drafter, self.target, self.cache, bonus, new_context, rows)
     return ENGINES_DRAFT(self, bonus, new_context, rows)
+
+
+def eager_write(self, leading_context):
+    """``GraphDrafting.write_ahead`` launched op by op."""
+    self.drafter.write_context(leading_context, self.cache)
+
+
+# each form: (GraphDrafting.draft, GraphDrafting.write_ahead) as it runs them
+FORMS = {"eager pass": (one_eager_pass, ENGINES_WRITE), "eager write": (ENGINES_DRAFT, eager_write),
+         "graph write": (ENGINES_DRAFT, ENGINES_WRITE)}
+
+
+@contextlib.contextmanager
+def first_draft_form(form: str) -> Iterator[None]:
+    D.GraphDrafting.draft, D.GraphDrafting.write_ahead = FORMS[form]
+    try:
+        yield
+    finally:
+        D.GraphDrafting.draft, D.GraphDrafting.write_ahead = ENGINES_DRAFT, ENGINES_WRITE
 
 
 def timings_ms(fn, reps: int) -> list[float]:
@@ -55,29 +78,25 @@ def spread(values: list[float]) -> str:
 def first_drafts(drafter, target, context: int, vocab: int) -> str:
     taps = torch.randn(1, context, drafter.fc.in_features, device="cuda", dtype=torch.bfloat16)
     bonus = torch.randint(1, vocab, (1,), device="cuda")
-    eager = D.EagerDrafting(drafter, target, context + 600)
     graphs = D.GraphDrafting(drafter, target, context + 600)
-    graphs.draft(bonus, taps, 15)  # captures the round's pass
+    graphs.draft(bonus, taps, 15)  # captures the round's pass and the write graph
 
-    def eager_first():
-        eager.cache.reset()
-        return eager.draft(bonus, taps, 15)
-
-    def engines_first():
-        graphs.cache.reset()
-        return graphs.draft(bonus, taps, 15)
+    def first_draft(form: str) -> None:
+        with first_draft_form(form):
+            graphs.cache.reset()
+            graphs.draft(bonus, taps, 15)
 
     def round_draft():
         graphs.cache.length = context
         return graphs.draft(bonus, taps[:, -3:], 15)
 
-    eager_ms, engines_ms, round_ms = [], [], []
+    times: dict[str, list[float]] = {form: [] for form in FORMS}
+    times["a round's draft"] = []
     for _ in range(3):  # interleaved
-        eager_ms += timings_ms(eager_first, 5)
-        engines_ms += timings_ms(engines_first, 5)
-        round_ms += timings_ms(round_draft, 5)
-    return (f"first draft: one eager pass {spread(eager_ms)} ms | written ahead + replayed {spread(engines_ms)} ms"
-            f" | a round's draft {spread(round_ms)} ms")
+        for form in FORMS:
+            times[form] += timings_ms(lambda f=form: first_draft(f), 5)
+        times["a round's draft"] += timings_ms(round_draft, 5)
+    return "first draft ms: " + " | ".join(f"{label} {spread(v)}" for label, v in times.items())
 
 
 def generations(drafter, target, prompt: torch.Tensor, new_tokens: int, reps: int) -> list[str]:
@@ -89,20 +108,17 @@ def generations(drafter, target, prompt: torch.Tensor, new_tokens: int, reps: in
     def ddtree_run():
         return ddtree.generate(target, drafter, prompt, config, TreeParams(64))
 
-    # label: (the generation, whether its first draft is one eager pass)
-    ways = {"ar": (lambda: ar.generate(target, None, prompt, config), False),
-            "dflash eager first": (dflash_run, True), "dflash now": (dflash_run, False),
-            "ddtree64 eager first": (ddtree_run, True), "ddtree64 now": (ddtree_run, False)}
+    # label: (the generation, the form of its first draft)
+    ways = {"ar": (lambda: ar.generate(target, None, prompt, config), "graph write"),
+            "dflash eager write": (dflash_run, "eager write"), "dflash graph write": (dflash_run, "graph write"),
+            "ddtree64 eager write": (ddtree_run, "eager write"), "ddtree64 graph write": (ddtree_run, "graph write")}
     runs: dict[str, list[float]] = {label: [] for label in ways}
     tokens: dict[str, list[int]] = {}
 
     def run(label: str) -> None:
-        generate, eager_first = ways[label]
-        D.GraphDrafting.draft = eager_first_draft if eager_first else ENGINES_DRAFT
-        try:
+        generate, form = ways[label]
+        with first_draft_form(form):
             out = generate()
-        finally:
-            D.GraphDrafting.draft = ENGINES_DRAFT
         runs[label].append(out.decode_s * 1e3)
         tokens.setdefault(label, out.token_ids)
 

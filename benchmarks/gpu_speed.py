@@ -328,7 +328,7 @@ def measure(args: argparse.Namespace) -> int:
     op_by_op = GraphDrafting(drafter, graphed, args.context + 600, fused=False)
     timed = {}
     for label, drafting in (("graph", graphs), ("graph op by op", op_by_op)):
-        drafting.draft(bonus, context, 15)  # the prompt's context (its leading rows written eagerly)
+        drafting.draft(bonus, context, 15)  # the prompt's context (its leading rows written ahead by a graph)
         timed[label] = median_ms(lambda d=drafting: d.draft(bonus, context[:, -1:], 15), args.reps)
     # the pass reads the drafter's weights and the target's lm_head once (and 16 embedding rows)
     draft_bytes = sum(p.numel() * p.element_size() for p in drafter.parameters())
@@ -346,7 +346,7 @@ def measure(args: argparse.Namespace) -> int:
                  f"{draft_floor:.2f} ms), {timed['graph op by op']:.2f} ms graph op by op")
     lines.append(f"a generation's first draft (the prompt's {context.shape[1]} rows of taps; in its decode time, "
                  f"once): {first_draft_ms:.2f} ms eager, {first_replayed_ms:.2f} ms with the leading rows written "
-                 "ahead and the round's pass replayed (the engines')")
+                 "ahead by a graph and the round's pass replayed (the engines')")
     if args.profile:
         from forward_anatomy import kernel_breakdown
 

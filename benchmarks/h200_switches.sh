@@ -126,8 +126,8 @@ suite() {  # `make test-gpu` without its install (the device has no Ray, MLflow 
   timeout 100 python3 -m pytest -q tests/workers/models/test_kernel_resources.py
 }
 
-first() {  # a generation's first draft, one eager pass against the engines' (leading rows written ahead), and
-           # the decode time of whole generations either way, AR beside
+first() {  # a generation's first draft in its three forms (one eager pass, the prompt's write eager or by a graph),
+           # and the decode time of whole generations with the write eager and by a graph, AR beside
   timeout 180 python3 benchmarks/first_draft.py --shapes qwen3-8b
   timeout 220 python3 benchmarks/first_draft.py --shapes "${SHAPE:-qwen3.6-27b}"
 }

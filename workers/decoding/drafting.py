@@ -8,7 +8,7 @@ drafter's ``Lattice`` of candidates. DFlash drafts its ``chain``, DDTree builds 
 
 - ``EagerDrafting``: the pass launched op by op (CPU, targets split over devices, debugging);
 - ``GraphDrafting``: the pass replayed from a CUDA graph per drafted rows (a prompt's context but its
-  last block written ahead eagerly), and the tree build from a graph per tree knobs. Graphs hold the
+  last block written ahead, by a graph of its own), and the tree build from a graph per tree knobs. Graphs hold the
   addresses of its buffers and drafter cache, so one ``GraphDrafting`` is kept for as long as the
   target lives, by a ``DraftGraphStore`` in the target's ``drafter_graphs`` (beside the target's own
   graphs), and reset per generation.
@@ -65,17 +65,14 @@ def _check_room(cache: DrafterCache, rows: int) -> None:
         raise RuntimeError(f"drafter cache overflow: {cache.length + rows} > capacity {cache.capacity}")
 
 
-def write_leading_context(drafter: DFlashDrafter, cache: DrafterCache, new_context: torch.Tensor) -> torch.Tensor:
-    """A new context [1, T, k*H] longer than the drafter's block (a prompt's) cut to its last block of
-    rows, the rows before them written into the cache (``DFlashDrafter.write_context``), so the pass
-    that drafts is the round's pass, replayed. Run whole and eagerly, that first pass launches every
-    layer's kernels one by one, inside the decode time (``benchmarks/gpu_speed.py``: "a generation's
-    first draft")."""
-    leading = new_context.shape[1] - drafter.block_size
-    if leading <= 0:
-        return new_context
-    drafter.write_context(new_context[:, :leading], cache)
-    return new_context[:, leading:]
+def chunk_starts(leading: int, chunk: int) -> list[int]:
+    """Where each ``chunk``-row write of a prompt's ``leading`` context rows starts: every ``chunk`` rows,
+    the last chunk moved back to end at ``leading`` (rows written twice get the same K/V), or one chunk
+    at 0 when ``leading`` <= ``chunk`` (the rows past ``leading`` are padding; their K/V land in slots that
+    the round's pass rewrites before any mask reaches them)."""
+    if leading <= chunk:
+        return [0]
+    return [*range(0, leading - chunk, chunk), leading - chunk]
 
 
 def chain(draft: Draft) -> torch.Tensor:
@@ -108,11 +105,19 @@ class EagerDrafting:
         return build_draft_tree(draft, params)  # on the drafter's device
 
 
+CONTEXT_CHUNK = 256  # rows of a prompt's context that one replay of the write-ahead graph writes
+
+
 class GraphDrafting:
-    def __init__(self, drafter: DFlashDrafter, target: Target, capacity: int, fused: bool = True) -> None:
+    def __init__(self, drafter: DFlashDrafter, target: Target, capacity: int, fused: bool = True,
+                 chunk: int = CONTEXT_CHUNK) -> None:
         """``fused``: the drafter's layers as ``fused_drafter`` runs them where they allow (False: op by
-        op, what ``benchmarks/gpu_speed.py`` compares against)."""
+        op, what ``benchmarks/gpu_speed.py`` compares against). ``chunk``: rows a ``write_ahead`` replay
+        writes."""
         capacity = -(-capacity // 1024) * 1024  # rounded up so slightly longer prompts reuse the graphs
+        # Fusing moves the layers' q/k/v and gate/up weights into new storage and frees the old: done
+        # now, before any graph records a weight's address (fused or not), never after a capture.
+        drafter.fused_layers()
         weight = drafter.fc.weight
         self.drafter, self.target, self.fused = drafter, target, fused
         self.cache = drafter.new_cache(capacity)
@@ -128,17 +133,48 @@ class GraphDrafting:
         # DDTree's tree build by (tree knobs, logits shape): ~290 small kernels of fixed shapes, far
         # cheaper replayed than launched one by one from Python (benchmarks/gpu_speed.py)
         self.tree_graphs = GraphCache(4)
+        # the write-ahead graph's inputs: a chunk of context rows and the slot of its first row
+        self.chunk_context = torch.zeros((1, chunk, weight.shape[1]), dtype=weight.dtype, device=weight.device)
+        self.chunk_start = torch.zeros((), dtype=torch.long, device=weight.device)
+        self.chunk_rows = torch.arange(chunk, device=weight.device)  # kept: the graph reads it
+        self.write_graph: torch.cuda.CUDAGraph | None = None
 
     def draft(self, bonus: torch.Tensor, new_context: torch.Tensor, rows: int) -> Draft:
         """The proposal for ``rows`` positions, replayed (the graph's static output, valid until the next
         call). A context longer than a block (the prompt, once per generation) has its leading rows
-        written eagerly first (``write_leading_context``); its last block of rows rides the round's pass."""
-        new_context = write_leading_context(self.drafter, self.cache, new_context)
+        written ahead (``write_ahead``); its last block of rows rides the round's pass."""
+        leading = new_context.shape[1] - self.drafter.block_size
+        if leading > 0:
+            self.write_ahead(new_context[:, :leading])
+            new_context = new_context[:, leading:]
         num_new = new_context.shape[1]
         self.count.fill_(num_new)
         proposal = self._replay(bonus, new_context, rows)
         self.advance(num_new)
         return proposal
+
+    def write_ahead(self, leading_context: torch.Tensor) -> None:
+        """leading_context [1, L, k*H] (a prompt's rows before its last block) into the cache at length..,
+        by one graph of ``DFlashDrafter.write_context`` replayed a chunk at a time (``chunk_starts``).
+        Launched eagerly, that write is a score of small kernels a layer, inside the decode time
+        (``benchmarks/first_draft.py``)."""
+        leading, start, chunk = leading_context.shape[1], self.cache.length, self.chunk_rows.shape[0]
+        _check_room(self.cache, max(leading, chunk))
+        for offset in chunk_starts(leading, chunk):
+            taken = min(chunk, leading - offset)
+            self.chunk_context[:, :taken].copy_(leading_context[:, offset : offset + taken])
+            self.chunk_start.fill_(start + offset)
+            if not self.chunk_rows.is_cuda:  # the CPU tests: the function the graph records, as it is
+                self._write_chunk()
+                continue
+            if self.write_graph is None:  # the warm-ups write this chunk's K/V, as the replay does
+                self.write_graph, _ = capture(self._write_chunk)
+            self.write_graph.replay()
+        self.cache.length = start + leading
+
+    def _write_chunk(self) -> None:
+        with torch.no_grad():  # drafting needs no gradients; autograd refused these writes on a GPU
+            self.drafter.write_context(self.chunk_context, self.cache, self.chunk_start + self.chunk_rows)
 
     def draft_counted(self, bonus: torch.Tensor, context_rows: torch.Tensor, count: torch.Tensor, rows: int) -> Draft:
         """The pass whose new context is the first ``count`` (a device scalar) of ``context_rows`` [1, m,

@@ -152,20 +152,27 @@ class DFlashDrafter(nn.Module):
         by_kind = {kind: attention_mask(kind, query_positions, key_positions, exists, dtype) for kind in set(kinds)}
         return [by_kind[kind] for kind in kinds]
 
-    def write_context(self, new_context: torch.Tensor, cache: DrafterCache) -> None:
+    def write_context(self, new_context: torch.Tensor, cache: DrafterCache, slots: torch.Tensor | None = None) -> None:
         """The context part of a pass: every layer's K/V of new_context [1, T, k*H] (target taps of the
         tokens committed since the last pass) into cache slots length..length+T-1, and length advanced.
-        It needs no block, so a long context (a prompt) can be written ahead of the pass that drafts."""
+        It needs no block, so a long context (a prompt) can be written ahead of the pass that drafts.
+        ``slots``: a device tensor [T], the slots (= positions) to write instead, for CUDA-graph capture
+        (``GraphDrafting.write_ahead``); then the caller advances ``cache.length``."""
         num_new, start = new_context.shape[1], cache.length
-        if start + num_new > cache.capacity:
+        if slots is None and start + num_new > cache.capacity:
             raise RuntimeError(f"drafter cache overflow: {start + num_new} > capacity {cache.capacity}")
         if num_new:
             context = self.hidden_norm(self.fc(new_context))
-            rope = self._rope(context, start, num_new)
+            rope = self._rope(context, start, num_new) if slots is None else self.rotary_emb(context, slots[None])
             for layer, keys, values in zip(self.layers, cache.keys, cache.values, strict=True):
-                keys[:, :, start : start + num_new], values[:, :, start : start + num_new] = (
-                    layer.self_attn.key_value(context, *rope))
-        cache.length = start + num_new
+                key, value = layer.self_attn.key_value(context, *rope)
+                if slots is None:
+                    keys[:, :, start : start + num_new], values[:, :, start : start + num_new] = key, value
+                else:
+                    keys.index_copy_(2, slots, key)
+                    values.index_copy_(2, slots, value)
+        if slots is None:
+            cache.length = start + num_new
 
     def forward(self, block_embeds: torch.Tensor, new_context: torch.Tensor, cache: DrafterCache) -> torch.Tensor:
         """One drafting pass.

@@ -60,32 +60,80 @@ def test_a_counted_pass_over_padded_context_equals_the_plain_pass(case, fused):
 
 @pytest.mark.parametrize("case", ["plain DFlash", "Qwen3.6-27B layout", "window inside the block"])
 @pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("prompt", [BLOCK + 1, 3 * BLOCK + 2])
-def test_a_prompt_written_ahead_then_drafted_as_a_round_equals_the_plain_pass(case, fused, prompt):
-    """``GraphDrafting``'s first draft, eagerly: a prompt longer than a block has its leading rows'
-    K/V written ahead (``write_leading_context``) and its last block of rows taken by the round's
-    counted pass. That pass, and the rounds after it, must give the plain pass's hidden states, past
-    every window; the cache must hold the same K/V (the order of the writes changed)."""
-    from workers.decoding.drafting import write_leading_context
+@pytest.mark.parametrize("prompt, chunk", [(BLOCK + 1, 5), (3 * BLOCK + 2, 5), (3 * BLOCK + 2, 7), (3 * BLOCK + 2, 64)])
+def test_a_prompt_written_ahead_then_drafted_as_a_round_equals_the_plain_pass(case, fused, prompt, chunk):
+    """``GraphDrafting``'s first draft: a prompt longer than a block has its leading rows' K/V written
+    ahead (``write_ahead``, a chunk of rows at a time: here the function its graph records) and its
+    last block of rows taken by the round's counted pass. That pass, and the rounds after it, must
+    give the plain pass's hidden states, past every window; the cache must hold the same K/V (the
+    order of the writes changed; chunks overlap, and one longer than the prompt writes padding)."""
+    from workers.decoding.drafting import GraphDrafting
 
     layers, change, _ = CASES[case]
     drafter = drafter_for(layers, change)
     taps, block_embeds = inputs(drafter, prompt + sum(ROUNDS))
-    plain, ahead = drafter.new_cache(96), drafter.new_cache(96)
+    plain = drafter.new_cache(96)
+    ahead = GraphDrafting(drafter, None, 96, fused=fused, chunk=chunk)
     with torch.inference_mode():
         for new in (prompt, *ROUNDS):
             context = taps[None, plain.length : plain.length + new]
             want = drafter(block_embeds[None], context, plain)
-            last = write_leading_context(drafter, ahead, context)
-            assert last.shape[1] == min(new, BLOCK) and ahead.length == plain.length - last.shape[1]
+            leading = max(0, new - BLOCK)
+            if leading:
+                ahead.write_ahead(context[:, :leading])
+            assert ahead.cache.length == plain.length - new + leading
+            last = context[:, leading:]
             padded = torch.zeros(1, BLOCK, taps.shape[1])
             padded[:, : last.shape[1]] = last
-            got = drafter.forward_at(block_embeds[None], padded, ahead, torch.tensor(ahead.length), fused=fused,
-                                     count=torch.tensor(last.shape[1]))
-            ahead.length += last.shape[1]
+            got = drafter.forward_at(block_embeds[None], padded, ahead.cache, torch.tensor(ahead.cache.length),
+                                     fused=fused, count=torch.tensor(last.shape[1]))
+            ahead.advance(last.shape[1])
             torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
-        for kept, written in zip(plain.pairs, ahead.pairs, strict=True):
+        for kept, written in zip(plain.pairs, ahead.cache.pairs, strict=True):
             torch.testing.assert_close(written[:, :, :, : plain.length], kept[:, :, :, : plain.length])
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_graph_drafting_moves_the_drafter_weights_before_any_capture(fused):
+    """A drafter's first fused pass regroups its layers' q/k/v and gate/up weights into new storage and
+    frees the old, so a graph captured before it would read freed memory (a GPU run of the write-ahead
+    graph did). ``GraphDrafting`` fuses when it is made, fused or not: the weights move then, and no
+    pass after that moves them again."""
+    from workers.decoding.drafting import GraphDrafting
+
+    drafter = drafter_for(*CASES["Qwen3.6-27B layout"][:2])
+    taps, block_embeds = inputs(drafter, 2 * BLOCK)
+
+    def addresses() -> list[int]:
+        return [p.data_ptr() for layer in drafter.layers for p in layer.parameters()]
+
+    before = addresses()
+    drafting = GraphDrafting(drafter, None, 96, fused=fused, chunk=5)
+    made = addresses()
+    assert made != before, "the weights did not move when the drafting object was made"
+    with torch.inference_mode():
+        drafting.write_ahead(taps[None, :BLOCK])
+        drafter.forward_at(block_embeds[None], taps[None, BLOCK:], drafting.cache,
+                           torch.tensor(drafting.cache.length), fused=True)
+    assert addresses() == made
+
+
+def test_chunk_starts_cover_the_leading_rows_once_or_twice():
+    """Each row of a prompt's leading context is written by one chunk, or by two where the last chunk
+    was moved back; no chunk reaches past the leading rows unless there is only one."""
+    from workers.decoding.drafting import chunk_starts
+
+    assert chunk_starts(3, 5) == [0] and chunk_starts(5, 5) == [0] and chunk_starts(6, 5) == [0, 1]
+    assert chunk_starts(1008, 256) == [0, 256, 512, 752]
+    for chunk in (1, 4, 5, 256):
+        for leading in range(chunk + 1, 3 * chunk + 3):
+            starts = chunk_starts(leading, chunk)
+            written = torch.zeros(leading, dtype=torch.long)
+            for start in starts:
+                assert 0 <= start <= leading - chunk
+                written[start : start + chunk] += 1
+            assert bool((written >= 1).all()) and bool((written <= 2).all())
+            assert len(starts) == -(-leading // chunk)
 
 
 def test_context_slots_keep_the_padding_past_the_block():

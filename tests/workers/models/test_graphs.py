@@ -50,29 +50,36 @@ def test_graph_replay_equals_eager_token_for_token(request, name):
     assert accepted > 0
 
 
+@pytest.mark.parametrize("chunk", [5, 256])
 @pytest.mark.parametrize("name", ["tiny", "tiny_small_vocab", "tiny_next"])
-def test_drafter_graph_logits_equal_eager_past_the_window(request, name):
+def test_drafter_graph_logits_equal_eager_past_the_window(request, name, chunk):
     """The drafter's replayed pass (whole cache under each layer's mask) gives the eager pass's logits
     (each sliding layer reading only its window's slots) for full, sliding + full and all-sliding
-    drafters, as the context grows past the window."""
-    from workers.decoding.drafting import EagerDrafting
+    drafters, as the context grows past the window; over two generations, whose prompts are written
+    ahead by the write graph in chunks of ``chunk`` rows (overlapping, or one with padding)."""
+    from workers.decoding.drafting import EagerDrafting, GraphDrafting
 
     tiny = request.getfixturevalue(name)
     model, drafter = copy.deepcopy(tiny.model).cuda(), copy.deepcopy(tiny.drafter).cuda()
     target = StaticTarget(model, drafter.spec.target_layer_ids, graphs=True)
-    eager, graphed = EagerDrafting(drafter, target, 256), DraftGraphStore().open(drafter, target, 256)
+    eager, graphed = EagerDrafting(drafter, target, 256), GraphDrafting(drafter, target, 256, chunk=chunk)
     generator = torch.Generator().manual_seed(0)
-    taps = torch.randn(1, 60, drafter.fc.in_features, generator=generator).cuda()
+    taps = torch.randn(1, 80, drafter.fc.in_features, generator=generator).cuda()
     bonus = torch.randint(1, tiny.shape.vocab_size, (12,), generator=generator).cuda()
-    block, fed = drafter.block_size, 0
-    for index, new in enumerate((20, 1, block, 3, 2, block, 1, 4)):  # a prompt, then rounds (replayed graphs)
-        context = taps[:, fed : fed + new]
-        want = eager.draft(bonus[index : index + 1], context, block - 1)
-        got = graphed.draft(bonus[index : index + 1], context, block - 1)
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-        fed += new
-    assert fed > max(a.window or 0 for a in drafter.spec.layer_attention)
+    block = drafter.block_size
+    for prompt in (20, 27):  # two generations, reusing the graphs
+        eager.cache.reset()
+        graphed.cache.reset()
+        fed = 0
+        for index, new in enumerate((prompt, 1, block, 3, 2, block, 1, 4)):  # a prompt, then rounds
+            context = taps[:, fed : fed + new]
+            want = eager.draft(bonus[index : index + 1], context, block - 1)
+            got = graphed.draft(bonus[index : index + 1], context, block - 1)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+            fed += new
+        assert fed > max(a.window or 0 for a in drafter.spec.layer_attention)
     assert graphed.graphs, "the drafter pass was never replayed from a graph"
+    assert graphed.write_graph is not None, "the prompt was never written ahead by the write graph"
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny_small_vocab"])
