@@ -155,7 +155,7 @@ class GraphDrafting:
 
     def write_ahead(self, leading_context: torch.Tensor) -> None:
         """leading_context [1, L, k*H] (a prompt's rows before its last block) into the cache at length..,
-        by one graph of ``DFlashDrafter.write_context`` replayed a chunk at a time (``chunk_starts``).
+        by one graph of ``DFlashDrafter.write_context_at`` replayed a chunk at a time (``chunk_starts``).
         Launched eagerly, that write is a score of small kernels a layer, inside the decode time
         (``benchmarks/first_draft.py``)."""
         leading, start, chunk = leading_context.shape[1], self.cache.length, self.chunk_rows.shape[0]
@@ -174,7 +174,8 @@ class GraphDrafting:
 
     def _write_chunk(self) -> None:
         with torch.no_grad():  # drafting needs no gradients; autograd refused these writes on a GPU
-            self.drafter.write_context(self.chunk_context, self.cache, self.chunk_start + self.chunk_rows)
+            self.drafter.write_context_at(self.chunk_context, self.cache, self.chunk_start + self.chunk_rows,
+                                          self.fused)
 
     def draft_counted(self, bonus: torch.Tensor, context_rows: torch.Tensor, count: torch.Tensor, rows: int) -> Draft:
         """The pass whose new context is the first ``count`` (a device scalar) of ``context_rows`` [1, m,

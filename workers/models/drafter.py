@@ -28,7 +28,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from workers.models.attention import NO_CUDNN, grouped_attention
 from workers.models.drafter_config import DrafterSpec, LayerAttention, attention_mask
-from workers.models.fused_drafter import context_slots, fused_pass
+from workers.models.fused_drafter import context_slots, fused_pass, fused_write_context
 from workers.models.fused_layer import FusedLayer, fused_layer_for
 
 
@@ -152,27 +152,36 @@ class DFlashDrafter(nn.Module):
         by_kind = {kind: attention_mask(kind, query_positions, key_positions, exists, dtype) for kind in set(kinds)}
         return [by_kind[kind] for kind in kinds]
 
-    def write_context(self, new_context: torch.Tensor, cache: DrafterCache, slots: torch.Tensor | None = None) -> None:
+    def write_context(self, new_context: torch.Tensor, cache: DrafterCache) -> None:
         """The context part of a pass: every layer's K/V of new_context [1, T, k*H] (target taps of the
         tokens committed since the last pass) into cache slots length..length+T-1, and length advanced.
-        It needs no block, so a long context (a prompt) can be written ahead of the pass that drafts.
-        ``slots``: a device tensor [T], the slots (= positions) to write instead, for CUDA-graph capture
-        (``GraphDrafting.write_ahead``); then the caller advances ``cache.length``."""
+        It needs no block, so a long context (a prompt) can be written ahead of the pass that drafts."""
         num_new, start = new_context.shape[1], cache.length
-        if slots is None and start + num_new > cache.capacity:
+        if start + num_new > cache.capacity:
             raise RuntimeError(f"drafter cache overflow: {start + num_new} > capacity {cache.capacity}")
         if num_new:
             context = self.hidden_norm(self.fc(new_context))
-            rope = self._rope(context, start, num_new) if slots is None else self.rotary_emb(context, slots[None])
+            rope = self._rope(context, start, num_new)
             for layer, keys, values in zip(self.layers, cache.keys, cache.values, strict=True):
-                key, value = layer.self_attn.key_value(context, *rope)
-                if slots is None:
-                    keys[:, :, start : start + num_new], values[:, :, start : start + num_new] = key, value
-                else:
-                    keys.index_copy_(2, slots, key)
-                    values.index_copy_(2, slots, value)
-        if slots is None:
-            cache.length = start + num_new
+                keys[:, :, start : start + num_new], values[:, :, start : start + num_new] = (
+                    layer.self_attn.key_value(context, *rope))
+        cache.length = start + num_new
+
+    def write_context_at(self, new_context: torch.Tensor, cache: DrafterCache, slots: torch.Tensor,
+                         fused: bool = True) -> None:
+        """``write_context`` at device-side ``slots`` [T] (= positions), for CUDA-graph capture
+        (``GraphDrafting.write_ahead``); leaves ``cache.length`` to the caller. ``fused``: as
+        ``fused_drafter`` writes the context where every layer allows (a product and one kernel a layer,
+        against a score of kernels op by op)."""
+        layers = self.fused_layers() if fused else None
+        if layers is not None:
+            return fused_write_context(self, layers, new_context, cache, slots)
+        context = self.hidden_norm(self.fc(new_context))
+        rope = self.rotary_emb(context, slots[None])
+        for layer, keys, values in zip(self.layers, cache.keys, cache.values, strict=True):
+            key, value = layer.self_attn.key_value(context, *rope)
+            keys.index_copy_(2, slots, key)
+            values.index_copy_(2, slots, value)
 
     def forward(self, block_embeds: torch.Tensor, new_context: torch.Tensor, cache: DrafterCache) -> torch.Tensor:
         """One drafting pass.

@@ -52,7 +52,8 @@ class PassInputs:
     cos, sin_signed: [q, 1, D]   rotary tables; sin_signed = sin with its first half negated, so that
                                  rope(x) = x * cos + swap_halves(x) * sin_signed
     slots:           [q]         K/V buffer slots this pass writes
-    mask:            [g*q, C]    additive mask per folded query row (row r*q + t is node t)
+    mask:            [g*q, C]    additive mask per folded query row (row r*q + t is node t); None in a
+                                 pass that attends nothing (a drafter's context written ahead)
     ends:            [q] or None one past the last K/V slot nodes 0..t see (``visible_ends``); the
                                  attention kernel stops each block of rows at its last node's (a
                                  prompt chunk's causal triangle is not read)
@@ -61,18 +62,19 @@ class PassInputs:
     cos: torch.Tensor
     sin_signed: torch.Tensor
     slots: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     ends: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, groups: int,
+    def build(cls, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, groups: int,
               visible: torch.Tensor | None = None):
-        """cos/sin [1, q, D] as transformers' rotary gives them; mask additive [q, C]; ``visible`` [q, q]:
+        """cos/sin [1, q, D] as transformers' rotary gives them; mask additive [q, C] or None; ``visible`` [q, q]:
         which of the pass's nodes each node sees (gives ``ends``)."""
         half = sin.shape[-1] // 2
         sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         ends = None if visible is None or visible.shape[0] < ENDS_FROM_NODES else visible_ends(visible, slots)
-        return cls(cos[0].unsqueeze(1), sin_signed[0].unsqueeze(1), slots, mask.repeat(groups, 1), ends)
+        folded_mask = None if mask is None else mask.repeat(groups, 1)
+        return cls(cos[0].unsqueeze(1), sin_signed[0].unsqueeze(1), slots, folded_mask, ends)
 
     def to(self, device: torch.device) -> PassInputs:
         return PassInputs(*(None if t is None else t.to(device)
