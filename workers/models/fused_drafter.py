@@ -89,22 +89,23 @@ def fused_pass(drafter: nn.Module, layers: list[FusedLayer], block_embeds: torch
 def fused_write_context(drafter: nn.Module, layers: list[FusedLayer], new_context: torch.Tensor, cache,
                         slots: torch.Tensor) -> None:
     """``DFlashDrafter.write_context_at`` through ``layers``: the context's part of ``fused_pass``.
-    new_context [1, T, k*H]; slots [T]: each row's cache slot (= position). Per layer one q/k/v product
-    and one kernel that norms, rotates and writes K and V; the queries come with them and are dropped
-    (the kernel takes a layer's heads as a pass makes them)."""
+    new_context [1, T, k*H]; slots [T]: each row's cache slot (= position). Per layer one product by the
+    K and V rows of the fused q/k/v weight and one kernel that norms, rotates and writes them."""
     context = rms_norm(F.linear(new_context[0], drafter.fc.weight), drafter.hidden_norm)  # [T, H]
     cos, sin = drafter.rotary_emb(context, slots[None])  # [1, T, D]
     inputs = PassInputs.build(cos, sin, slots, None, 1)  # nothing attends: no mask
     for layer, kv in zip(layers, cache.pairs, strict=True):
-        heads = F.linear(context, layer.qkv_weight, layer.qkv_bias)
-        write_heads(layer, heads.view(context.shape[0], layer.query_heads + 2 * layer.kv_heads, layer.head_dim),
-                    inputs, kv)
+        query_rows = layer.query_heads * layer.head_dim  # the weight's rows: queries, then keys, then values
+        bias = None if layer.qkv_bias is None else layer.qkv_bias[query_rows:]
+        heads = F.linear(context, layer.qkv_weight[query_rows:], bias)
+        write_heads(layer, heads.view(context.shape[0], 2 * layer.kv_heads, layer.head_dim), inputs, kv, 0)
 
 
-def write_heads(layer: FusedLayer, heads: torch.Tensor, inputs: PassInputs, kv: torch.Tensor) -> torch.Tensor:
-    """``norm_rotate_heads`` of one layer's heads [q, Hq + 2Hkv, D]: K and V into kv at ``inputs.slots``,
-    the queries folded returned (one kernel on CUDA)."""
-    args = (heads, layer.q_norm, layer.k_norm, inputs, kv, layer.query_heads, layer.kv_heads)
+def write_heads(layer: FusedLayer, heads: torch.Tensor, inputs: PassInputs, kv: torch.Tensor,
+                query_heads: int) -> torch.Tensor:
+    """``norm_rotate_heads`` of one layer's heads [q, query_heads + 2Hkv, D] (all of the layer's query
+    heads, or none): K and V into kv at ``inputs.slots``, the queries folded returned (one kernel on CUDA)."""
+    args = (heads, layer.q_norm, layer.k_norm, inputs, kv, query_heads, layer.kv_heads)
     return norm_rotate_heads(*args) if heads.is_cuda and triton_available() else norm_rotate_heads_torch(*args)
 
 
@@ -118,7 +119,7 @@ def layer_step(layer: FusedLayer, hidden: torch.Tensor, context: torch.Tensor, i
     rows, hq, hkv, d = num_new + block, layer.query_heads, layer.kv_heads, layer.head_dim
     x = torch.cat((context, rms_norm(hidden, layer.input_norm)))  # [T + b, H]
     heads = F.linear(x, layer.qkv_weight, layer.qkv_bias).view(rows, hq + 2 * hkv, d)
-    folded = write_heads(layer, heads, inputs, kv)
+    folded = write_heads(layer, heads, inputs, kv, hq)
     out = attend_folded(folded, kv[0, 0], kv[1, 0], inputs.mask, layer.scale, slots=reads, nodes=rows)  # [T+b, Hq*D]
     add_projection_(hidden, out[num_new:], layer.o_proj)  # the block's rows
     add_projection_(hidden, norm_linear(hidden, layer.post_norm, layer.gate_up_weight, silu=True), layer.down_proj)

@@ -116,9 +116,10 @@ def _heads_kernel(
     sin = tl.load(SIN + t * stride_cos + cols, mask=turning, other=0.0).to(tl.float32)[None, :]  # first half negated
     out = tl.where(is_v[:, None], x, y * cos + y_partner * sin).to(FOLDED.dtype.element_ty)
     # queries to the folded rows [HKV, g*q, D]: row r*q + t of K/V head j // g is query head j = kv*g + r
-    groups = HQ // HKV
-    folded_row = (j // groups) * groups * nodes + (j % groups) * nodes + t
-    tl.store(FOLDED + folded_row[:, None] * D + cols[None, :], out, mask=valid & is_q[:, None])
+    if HQ > 0:  # none where only K and V are written (a drafter's context written ahead)
+        groups = HQ // HKV
+        folded_row = (j // groups) * groups * nodes + (j % groups) * nodes + t
+        tl.store(FOLDED + folded_row[:, None] * D + cols[None, :], out, mask=valid & is_q[:, None])
     slot = tl.load(SLOTS + t)
     head = tl.where(is_v, j - HQ - HKV, j - HQ)
     target = KV + is_v.to(tl.int64) * stride_kv + head * stride_head + slot * stride_slot
@@ -136,7 +137,7 @@ def norm_rotate_heads(heads: torch.Tensor, q_weight: torch.Tensor | None, k_weig
     """``fused_hybrid.norm_rotate_heads_torch`` (gated; ``norm`` ONE_PLUS_NORM) or the plain layer's
     ``fused_layer.norm_rotate_heads_torch`` (``norm`` PLAIN_NORM, or NO_NORM with no weights) in one
     kernel: heads [q, 2Hq + 2Hkv, D] (gated) or [q, Hq + 2Hkv, D] -> folded queries [Hkv, g*q, D]; K
-    and V written into kv [2, 1, Hkv, C, D] at slots [q]."""
+    and V written into kv [2, 1, Hkv, C, D] at slots [q]. ``query_heads`` 0: K and V alone (no folded rows)."""
     if norm == NO_NORM:  # no weights read: any pointer will do
         q_weight = k_weight = heads
     q, _, d = heads.shape

@@ -194,7 +194,7 @@ def test_plain_layer_kernels_equal_their_torch_forms(dtype):
               torch.randn(3, 9, 4096, generator=generator).to("cuda", dtype)[:, 2:6]):
         want = torch.nn.functional.rms_norm(x, (4096,), norm.weight, norm.variance_epsilon)
         torch.testing.assert_close(fused_hybrid_triton.rms_norm(x, norm.weight, 1e-6), want, **tolerance)
-    for q, hq, hkv, d in ((1, 32, 8, 128), (257, 32, 8, 128), (5, 4, 2, 16)):
+    for q, hq, hkv, d in ((1, 32, 8, 128), (257, 32, 8, 128), (5, 4, 2, 16), (256, 0, 8, 128)):  # 0: K/V only
         heads = torch.randn(q, hq + 2 * hkv, d, generator=generator).to("cuda", dtype)
         q_norm, k_norm = nn.Module(), nn.Module()
         q_norm.weight, k_norm.weight = ((torch.randn(d, generator=generator) * 0.3).to("cuda", dtype) for _ in range(2))

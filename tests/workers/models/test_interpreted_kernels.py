@@ -475,7 +475,7 @@ def test_the_hybrid_layers_small_kernels_equal_their_torch_forms(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_the_plain_layers_small_kernels_equal_their_torch_forms(dtype):
     """The plain (weight) RMS norm, and the heads kernel's plain layout with Qwen3's q/k norms and
-    with none (Llama): norms, full rotary, K/V write, query fold."""
+    with none (Llama): norms, full rotary, K/V write, query fold; and with no query heads."""
     from workers.models import fused_hybrid_triton
     from workers.models.fused_layer import PassInputs, norm_rotate_heads, norm_rotate_heads_torch
 
@@ -490,7 +490,9 @@ def test_the_plain_layers_small_kernels_equal_their_torch_forms(dtype):
     q_norm.weight, k_norm.weight = ((torch.randn(d, generator=g) * 0.3).to(dtype) for _ in range(2))
     q_norm.variance_epsilon = k_norm.variance_epsilon = 1e-6
     angles = torch.rand(1, q, d // 2, generator=g).repeat(1, 1, 2) * 6
-    for hq, hkv in ((4, 2), (6, 3)):  # 8 heads: one program a node; 12: a second, part-filled block of heads
+    # 8 heads: one program a node; 12: a second, part-filled block of heads; none of queries (K and V
+    # only: a drafter's context written ahead)
+    for hq, hkv in ((4, 2), (6, 3), (0, 2)):
         heads = torch.randn(q, hq + 2 * hkv, d, generator=g).to(dtype)
         inputs = PassInputs.build(angles.cos().to(dtype), angles.sin().to(dtype), torch.arange(3, 3 + q),
                                   torch.zeros(q, 4), hq // hkv)
