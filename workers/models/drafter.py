@@ -226,8 +226,7 @@ class DFlashDrafter(nn.Module):
         num_new, block = new_context.shape[1], block_embeds.shape[1]
         device = new_context.device
         positions = context_slots(length, num_new, block, count).unsqueeze(0)  # [1, T + b]
-        context = self.hidden_norm(self.fc(new_context))
-        ctx_rope = self.rotary_emb(context, positions[:, :num_new])
+        self.write_context_at(new_context, cache, positions[0, :num_new], fused=False)
         block_rope = self.rotary_emb(block_embeds, positions[:, num_new:])
         slots = torch.arange(cache.capacity, device=device)
         key_positions = torch.cat((slots, positions[0, num_new:]))  # the cache's slots, then the block
@@ -235,11 +234,7 @@ class DFlashDrafter(nn.Module):
         masks = self.layer_masks(positions[0, num_new:], key_positions, exists, block_embeds.dtype)
         hidden = block_embeds
         for index, layer in enumerate(self.layers):
-            keys, values = cache.keys[index], cache.values[index]
-            k_ctx, v_ctx = layer.self_attn.key_value(context, *ctx_rope)
-            keys.index_copy_(2, positions[0, :num_new], k_ctx)
-            values.index_copy_(2, positions[0, :num_new], v_ctx)
-            hidden = layer.block_step(hidden, block_rope, keys, values, masks[index])
+            hidden = layer.block_step(hidden, block_rope, cache.keys[index], cache.values[index], masks[index])
         return self.norm(hidden)
 
     def fused_layers(self) -> list[FusedLayer] | None:
