@@ -126,10 +126,11 @@ suite() {  # `make test-gpu` without its install (the device has no Ray, MLflow 
   timeout 100 python3 -m pytest -q tests/workers/models/test_kernel_resources.py
 }
 
-first() {  # a generation's first draft in its three forms (one eager pass, the prompt's write eager or by a graph),
-           # and the decode time of whole generations with the write eager and by a graph, AR beside
-  timeout 180 python3 benchmarks/first_draft.py --shapes qwen3-8b
-  timeout 220 python3 benchmarks/first_draft.py --shapes "${SHAPE:-qwen3.6-27b}"
+first() {  # a generation's first draft in its three forms (one eager pass, the prompt's write eager or by a graph;
+           # the graph also with the whole q/k/v product and 64-row chunks), and the decode time of whole
+           # generations with the write eager and by a graph, AR beside
+  timeout 180 python3 benchmarks/first_draft.py --shapes qwen3-8b --chunks 64
+  timeout 220 python3 benchmarks/first_draft.py --shapes "${SHAPE:-qwen3.6-27b}" --chunks 64
 }
 
 modes=()  # checked before anything runs
