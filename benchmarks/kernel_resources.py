@@ -204,6 +204,15 @@ def launches(shape: dict, q: int = 257) -> list[Launch]:
         with recording(fused_hybrid_triton, "_output_gate_kernel", "attention output gate", out):
             fused_hybrid_triton.output_gate(torch.zeros(heads, q, head_dim, dtype=bf16),
                                             torch.zeros(q, 2 * heads + 2 * kv_heads, head_dim, dtype=bf16), heads)
+    # the plain layers' heads (an attention-only target's, a drafter's), and a drafter's context written
+    # ahead: K and V alone, no query heads
+    for query_heads, what in ((heads, "queries folded"), (0, "K and V alone")):
+        with recording(fused_hybrid_triton, "_heads_kernel", f"plain attention heads ({what})", out):
+            fused_hybrid_triton.norm_rotate_heads(torch.zeros(q, query_heads + 2 * kv_heads, head_dim, dtype=bf16),
+                                                  torch.zeros(head_dim, dtype=bf16), torch.zeros(head_dim, dtype=bf16),
+                                                  1e-6, torch.zeros(q, head_dim, dtype=bf16),
+                                                  torch.zeros(q, head_dim, dtype=bf16), slots, kv, query_heads,
+                                                  kv_heads, gated=False, norm=fused_hybrid_triton.PLAIN_NORM)
     with recording(fused_hybrid_triton, "_rms_norm_kernel", "(1 + w) RMS norm (hidden)", out):
         fused_hybrid_triton.one_plus_rms_norm(torch.zeros(q, shape["hidden_size"], dtype=bf16),
                                               torch.zeros(shape["hidden_size"], dtype=bf16), 1e-6)
