@@ -415,13 +415,13 @@ def measure(args: argparse.Namespace) -> int:
 def lt_lines() -> list[str]:
     """What ``lt_product`` timed and chose per product shape in this run (nothing with --no-lt), the
     attention's form per pass shape where it was chosen on trial (``--attention-form chosen``), and the GDN
-    tree kernel's pipeline depth per pass shape (hybrids)."""
-    chosen, forms, stages = lt_product.report(), attention_triton.report(), gdn_triton.stages_report()
+    tree kernel's form (step along dk, pipeline stages) per pass shape (hybrids)."""
+    chosen, forms, gdn_forms = lt_product.report(), attention_triton.report(), gdn_triton.forms_report()
     return ((["cuBLASLt per shape (lt_product: torch's call, the fastest offered algorithm, the choice):"] + chosen
              if chosen else [])
             + (["attention form per pass shape (attention_triton: the trial, the choice):"] + forms if forms else [])
-            + (["GDN tree kernel's depth per pass shape (gdn_triton: the trial, the choice):"] + stages
-               if stages else []))
+            + (["GDN tree kernel's form per pass shape (gdn_triton: the trial, the choice):"] + gdn_forms
+               if gdn_forms else []))
 
 
 def goal_lines(measured: dict) -> list[str]:

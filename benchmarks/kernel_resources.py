@@ -136,14 +136,13 @@ def gdn_launches(shape: dict, parents: torch.Tensor) -> list[Launch]:
                             torch.empty(taps - 1 + q, channels, dtype=bf16), gates)
     kq, v_ = torch.zeros(hk, 2, q, d), torch.zeros(h, q, d)
     g, beta, state = torch.zeros(q, h), torch.zeros(q, h, dtype=bf16), torch.zeros(h, d, d)
-    # as a bfloat16 model runs them at either stage count (``gdn_triton.TREE_STAGES``), and a float32 model
-    runs = [(bf16, "tf32", n) for n in gdn_triton.STAGE_CHOICES] + [(f32, "tf32x3", gdn_triton.STAGE_CHOICES[0])]
-    for dtype, precision, stage_count in runs:
+    # as a bfloat16 model runs them in every form (``gdn_triton.TREE_FORM``), and a float32 model
+    runs = [(bf16, "tf32", form) for form in gdn_triton.FORM_CHOICES] + [(f32, "tf32x3", gdn_triton.FORM_CHOICES[0])]
+    for dtype, precision, form in runs:
         norm = (torch.zeros(q, h * d, dtype=dtype), torch.zeros(d, dtype=dtype), 1e-6)
-        label = f"GDN tree blocks + gated norm ({precision}, {stage_count} stages)"
+        label = f"GDN tree blocks + gated norm ({precision}, {gdn_triton.form_name(form)})"
         with recording(gdn_triton, "_tree_block_kernel", label, out):
-            gdn_triton.tree_outputs(kq, v_, g, beta, state, ancestors, model_dtype=dtype, norm=norm,
-                                    num_stages=stage_count)
+            gdn_triton.tree_outputs(kq, v_, g, beta, state, ancestors, model_dtype=dtype, norm=norm, form=form)
     with recording(gdn_triton, "_gated_norm_kernel", "GDN gated norm (chains)", out):
         gdn_triton.gated_norm(torch.zeros(q, h, d), torch.zeros(q, h * d, dtype=bf16), torch.zeros(d, dtype=bf16),
                               1e-6, bf16)

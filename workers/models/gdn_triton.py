@@ -36,19 +36,21 @@ from workers.models.pdl_triton import launch_options, wait_for_inputs
 from workers.models.tree_blocks import TREE_BLOCK, tree_blocks
 
 TREE_WARPS = 4
-# Stages of the tree kernel's software pipeline (in its loop along dk, each step's slices of the state, keys
-# and queries are loaded that many steps ahead; 3 is Triton's default). At 3 a bfloat16 model's program
-# takes 48 KB of shared memory, so an sm_86 or sm_89 SM (an RTX A6000's: 100 KB) holds 2 of them; at 2 it
-# takes 32 KB and 3 fit, registers allowing (``benchmarks/kernel_resources.py``). On sm_90 registers hold
-# it to 3 either way, and an H100 times both depths the same. No A6000 has timed them, so by default
-# (None) each tree-pass shape takes its depth on trial on the GPU at hand (``chosen_stages``): the first of
-# STAGE_CHOICES unless another gives the same bits and is STAGE_MARGIN faster. A number forces that depth.
-TREE_STAGES: int | None = None
-STAGE_CHOICES = (3, 2)
-STAGE_MARGIN = 0.03
-# (device, the pass's shapes and forms) -> the depth, kept for the process; and what each trial found
-_STAGES: dict[tuple, int] = {}
-_STAGE_TRIALS: dict[tuple, str] = {}
+# The tree kernel's form: (its step along dk in the products with the committed state, the stages of its
+# software pipeline over those steps: each step's slices of the state, keys and queries loaded that many
+# steps ahead; 3 is Triton's default). Every form gives the same bits (a product's sum runs in the same order
+# whatever the step). At (32, 3) a bfloat16 model's program takes 48 KB of shared memory, so an sm_86 or
+# sm_89 SM (an RTX A6000's: 100 KB) holds 2; at (32, 2) 32 KB and 3 fit, registers allowing; at (64, 2)
+# 50 KB, one on sm_86 and 3 on sm_90 (``benchmarks/kernel_resources.py``). On an H100 a 27B layer at 257 nodes
+# took 31.9 / 31.8 / 30.2 us in these three forms (``benchmarks/gdn_kernels.py --configs``). By default
+# (None) each tree-pass shape takes its form on trial on the GPU at hand (``chosen_form``): the first of
+# FORM_CHOICES unless another gives the same bits and is FORM_MARGIN faster. A (step, stages) forces one.
+TREE_FORM: tuple[int, int] | None = None
+FORM_CHOICES = ((32, 3), (32, 2), (64, 2))
+FORM_MARGIN = 0.03
+# (device, the pass's shapes and forms) -> the form, kept for the process; and what each trial found
+_FORMS: dict[tuple, tuple[int, int]] = {}
+_FORM_TRIALS: dict[tuple, str] = {}
 # A commit's form: "replay" (``_commit_kernel``, the path token by token) or "chunk" (``_commit_chunk_kernel``,
 # the regrouped form, flat in the path's length). On an H100 the chunk form lost on 4 streams at every
 # length, 1 to 16 nodes (``benchmarks/commit_branches.py --forms replay,chunk``; results in
@@ -57,7 +59,6 @@ _STAGE_TRIALS: dict[tuple, str] = {}
 COMMIT_FORM = "replay"
 COMMIT_PRECISION = "ieee"
 COMMIT_CHUNK_WARPS = 4
-PRODUCT_STEP = 32  # the tree kernel's step along dk in its products with the committed state
 PROLOGUE_NODES = 4  # nodes per program of the conv prologue
 PROLOGUE_WARPS = 1
 NORM_HEADS = 16  # heads per program of the gated norm
@@ -186,7 +187,7 @@ def tree_outputs(
     num_warps: int | None = None,
     precision: str | None = None,
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (z [q, H*dv], weight [dv], eps)
-    num_stages: int | None = None,  # TREE_STAGES (or the depth chosen on trial) unless given
+    form: tuple[int, int] | None = None,  # (step, stages): TREE_FORM (or the form chosen on trial) unless given
 ) -> torch.Tensor:
     """Outputs [q, H, dv] float32, as ``gdn.tree_delta_rule_normalized`` computes them; with
     ``norm``, ``gated_norm(outputs, z, weight, eps, model_dtype)`` [q, H*dv] instead, in the kernel's
@@ -208,7 +209,8 @@ def tree_outputs(
     z, weight, eps = norm if norm is not None else (v_, v_, 0.0)  # without the norm, not read
     z = z if z.stride(-1) == 1 else z.contiguous()
 
-    def launch(stages: int) -> torch.Tensor:
+    def launch(form: tuple[int, int]) -> torch.Tensor:
+        step, stages = form
         if norm is None:
             out = torch.empty(nodes, heads, dv, dtype=torch.float32, device=v_.device)
         else:
@@ -217,61 +219,65 @@ def tree_outputs(
             kq, v_, state, log_gate, beta, slots, mask.view(torch.uint8), out, z, weight, nodes, z.stride(0), eps,
             count if apart else -1,
             HEADS=heads, REPEAT=heads // key_heads, DK=dk, DV=dv, CONTEXT=slots.shape[1] - TREE_BLOCK,
-            BLOCK=TREE_BLOCK, BK=min(dk, PRODUCT_STEP),
+            BLOCK=TREE_BLOCK, BK=min(dk, step),
             FACTORS=max(1, (ancestors.shape[1] - 1).bit_length()), PRECISION=precision, NORMED=norm is not None,
             num_warps=num_warps or TREE_WARPS, num_stages=stages, **launch_options(out.device),
         )
         return out
 
-    stages = num_stages or TREE_STAGES
-    if stages is None:
+    form = form or TREE_FORM
+    if form is None:
         shape = (str(v_.device), tuple(kq.shape), tuple(v_.shape), tuple(slots.shape), apart, precision,
                  norm is not None, model_dtype, num_warps)
-        stages = chosen_stages(shape, launch, v_.device)
-    return launch(stages)
+        form = chosen_form(shape, launch, v_.device)
+    return launch(form)
 
 
-def chosen_stages(shape: tuple, launch, device: torch.device) -> int:
-    """The tree kernel's pipeline depth for a pass of this shape (``TREE_STAGES`` None), chosen at its first
+def chosen_form(shape: tuple, launch, device: torch.device) -> tuple[int, int]:
+    """The tree kernel's (step, stages) for a pass of this shape (``TREE_FORM`` None), chosen at its first
     call and kept for the process. First met inside ``lt_product.choosing()`` (the graphs' warm-ups), each of
-    STAGE_CHOICES runs on this call's own inputs (``launch(stages)``); a depth that fails or whose output is
-    not the first one's bit for bit is refused with a warning, and another replaces the first only where
-    ``lt_product.time_calls`` puts it STAGE_MARGIN under the first's time. First met anywhere else: the first
+    FORM_CHOICES runs on this call's own inputs (``launch(form)``); a form that fails or whose output is not
+    the first one's bit for bit is refused with a warning, and another replaces the first only where
+    ``lt_product.time_calls`` puts it FORM_MARGIN under the first's time. First met anywhere else: the first
     choice, untimed (a prompt's every last partial chunk would be timed inside timed runs)."""
     from workers.models import lt_product
 
-    if shape not in _STAGES:
-        default = STAGE_CHOICES[0]
-        _STAGES[shape] = default
+    if shape not in _FORMS:
+        default = FORM_CHOICES[0]
+        _FORMS[shape] = default
         if lt_product.choosing_now():
             first = launch(default)
             agreeing = [default]
-            for stages in STAGE_CHOICES[1:]:
+            for form in FORM_CHOICES[1:]:
                 try:
-                    out = launch(stages)
-                except Exception as exc:  # e.g. past this GPU's shared memory: the first depth stays
-                    warnings.warn(f"gdn_triton: the tree kernel failed at {stages} stages on its trial ({exc!r}); "
-                                  f"not taken")
+                    out = launch(form)
+                except Exception as exc:  # e.g. past this GPU's shared memory: the first form stays
+                    warnings.warn(f"gdn_triton: the tree kernel failed in form {form_name(form)} on its trial "
+                                  f"({exc!r}); not taken")
                     continue
                 if torch.equal(out, first):
-                    agreeing.append(stages)
+                    agreeing.append(form)
                 else:
-                    warnings.warn(f"gdn_triton: the tree kernel at {stages} stages gives other bits than at {default}; "
-                                  f"not taken")
-            times = lt_product.time_calls([lambda stages=stages: launch(stages) for stages in agreeing], device)
+                    warnings.warn(f"gdn_triton: the tree kernel in form {form_name(form)} gives other bits than in "
+                                  f"{form_name(default)}; not taken")
+            times = lt_product.time_calls([lambda form=form: launch(form) for form in agreeing], device)
             best = min(range(len(agreeing)), key=times.__getitem__)
-            if times[best] < (1 - STAGE_MARGIN) * times[0]:
-                _STAGES[shape] = agreeing[best]
+            if times[best] < (1 - FORM_MARGIN) * times[0]:
+                _FORMS[shape] = agreeing[best]
             per_call = 1e3 / lt_product.TIMED_CALLS
-            _STAGE_TRIALS[shape] = ", ".join(f"{stages} stages {ms * per_call:.1f} us"
-                                             for stages, ms in zip(agreeing, times, strict=True))
-    return _STAGES[shape]
+            _FORM_TRIALS[shape] = ", ".join(f"{form_name(form)} {ms * per_call:.1f} us"
+                                            for form, ms in zip(agreeing, times, strict=True))
+    return _FORMS[shape]
 
 
-def stages_report() -> list[str]:
-    """A line per tree-pass shape whose depth was chosen on trial: what the trial found, the depth kept."""
-    return [f"{shape[0]} GDN tree kernel, {shape[1][2]} nodes, {shape[2][0]} heads: {found} -> {_STAGES[shape]} stages"
-            for shape, found in _STAGE_TRIALS.items()]
+def form_name(form: tuple[int, int]) -> str:
+    return f"step {form[0]}, {form[1]} stages"
+
+
+def forms_report() -> list[str]:
+    """A line per tree-pass shape whose form was chosen on trial: what the trial found, the form kept."""
+    return [f"{shape[0]} GDN tree kernel, {shape[1][2]} nodes, {shape[2][0]} heads: {found} -> "
+            f"{form_name(_FORMS[shape])}" for shape, found in _FORM_TRIALS.items()]
 
 
 class PrologueOutputs(NamedTuple):

@@ -21,15 +21,15 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("stages", [3, 2])
+@pytest.mark.parametrize("form", [(32, 3), (32, 2), (64, 2)])
 @pytest.mark.parametrize("q, depth, dk, dv", [(1, 1, 16, 16), (17, 15, 128, 128), (257, 15, 128, 128),
                                               (300, 6, 64, 32), (80, "deep", 128, 128)])
-def test_triton_tree_kernel_equals_the_torch_path(q, depth, dk, dv, stages, monkeypatch):
+def test_triton_tree_kernel_equals_the_torch_path(q, depth, dk, dv, form, monkeypatch):
     """The deep case: 16-node paths, aligned keys and slow decay, where every factor of the solve weighs.
-    At either pipeline depth (``gdn_triton.TREE_STAGES``)."""
+    In every form (step along dk, pipeline stages: ``gdn_triton.TREE_FORM``)."""
     from workers.models import gdn_triton
 
-    monkeypatch.setattr(gdn_triton, "TREE_STAGES", stages)
+    monkeypatch.setattr(gdn_triton, "TREE_FORM", form)
     g = torch.Generator().manual_seed(q)
     hk, h = 4, 12
     deep = depth == "deep"
@@ -46,12 +46,11 @@ def test_triton_tree_kernel_equals_the_torch_path(q, depth, dk, dv, stages, monk
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("stages", [3, 2])
+@pytest.mark.parametrize("form", [(32, 3), (32, 2), (64, 2)])
 @pytest.mark.parametrize("q", [16, 257, 1025])
-def test_the_bfloat16_models_tf32_tree_kernel_stays_below_bfloat16_rounding(q, stages):
+def test_the_bfloat16_models_tf32_tree_kernel_stays_below_bfloat16_rounding(q, form):
     """For a bfloat16 model the blocked solve's products run in tf32: all outputs within 5e-3 relative
-    of the float32 torch form (bfloat16's own rounding is 3.9e-3), at real head sizes, at either pipeline
-    depth."""
+    of the float32 torch form (bfloat16's own rounding is 3.9e-3), at real head sizes, in every form."""
     from workers.models.gdn import l2_normalize, tree_delta_rule_normalized
     from workers.models.gdn_triton import tree_outputs
 
@@ -65,7 +64,7 @@ def test_the_bfloat16_models_tf32_tree_kernel_stays_below_bfloat16_rounding(q, s
     ancestors = ancestor_table(parents).cuda()
     want = tree_delta_rule_normalized(q_, k_, v_, log_gate, beta, state, ancestors, use_triton=False)
     kq = torch.stack((k_, q_), dim=1)  # [Hk, 2, q, d], the prologue's layout
-    got = tree_outputs(kq, v_, log_gate, beta, state, ancestors, model_dtype=torch.bfloat16, num_stages=stages)
+    got = tree_outputs(kq, v_, log_gate, beta, state, ancestors, model_dtype=torch.bfloat16, form=form)
     assert ((got - want).norm() / want.norm()).item() < 5e-3
 
 
@@ -98,17 +97,17 @@ def test_the_gated_norm_in_the_tree_kernels_epilogue_equals_the_norm_kernel_afte
 
 @pytest.mark.parametrize("q", [17, 257])
 @torch.inference_mode()
-def test_every_depth_gives_the_same_bits_and_a_graph_replays_the_depth_chosen_on_trial(q, monkeypatch):
-    """The premise of choosing the tree kernel's pipeline depth on trial (``TREE_STAGES`` None): each of
-    STAGE_CHOICES gives the same bits (a bfloat16 model's tf32 products, the gated norm in the epilogue).
-    A pass captured by ``graph_cache.capture`` has its depth chosen in the warm-ups (``stages_report``), and
-    the replay gives those bits, on new inputs too."""
+def test_every_form_gives_the_same_bits_and_a_graph_replays_the_form_chosen_on_trial(q, monkeypatch):
+    """The premise of choosing the tree kernel's form on trial (``TREE_FORM`` None): each of FORM_CHOICES
+    gives the same bits (a bfloat16 model's tf32 products, the gated norm in the epilogue). A pass captured
+    by ``graph_cache.capture`` has its form chosen in the warm-ups (``forms_report``), and the replay gives
+    those bits, on new inputs too."""
     from workers.models import gdn_triton, graph_cache
     from workers.models.gdn import l2_normalize
 
-    monkeypatch.setattr(gdn_triton, "TREE_STAGES", None)
-    monkeypatch.setattr(gdn_triton, "_STAGES", {})
-    monkeypatch.setattr(gdn_triton, "_STAGE_TRIALS", {})
+    monkeypatch.setattr(gdn_triton, "TREE_FORM", None)
+    monkeypatch.setattr(gdn_triton, "_FORMS", {})
+    monkeypatch.setattr(gdn_triton, "_FORM_TRIALS", {})
     g = torch.Generator().manual_seed(q)
     hk, h, d = 16, 48, 128  # the 27B's GDN heads
     ancestors = ancestor_table(random_tree_parents(q, MAX_PATH - 1, g)).cuda()
@@ -119,20 +118,20 @@ def test_every_depth_gives_the_same_bits_and_a_graph_replays_the_depth_chosen_on
     z = torch.randn(q, h * d, generator=g).to(torch.bfloat16).cuda()
     weight = (1 + 0.1 * torch.randn(d, generator=g)).to(torch.bfloat16).cuda()
 
-    def solve(stages=None):
+    def solve(form=None):
         return gdn_triton.tree_outputs(kq, v_, log_gate, beta, state, ancestors, model_dtype=torch.bfloat16,
-                                       norm=(z, weight, 1e-6), num_stages=stages)
+                                       norm=(z, weight, 1e-6), form=form)
 
-    by_depth = [solve(stages) for stages in gdn_triton.STAGE_CHOICES]
-    assert all(torch.equal(out, by_depth[0]) for out in by_depth[1:])
+    by_form = [solve(form) for form in gdn_triton.FORM_CHOICES]
+    assert all(torch.equal(out, by_form[0]) for out in by_form[1:])
     graph, replayed = graph_cache.capture(solve)
-    [line] = gdn_triton.stages_report()
+    [line] = gdn_triton.forms_report()
     assert f"{q} nodes, {h} heads" in line
     graph.replay()
-    assert torch.equal(replayed, by_depth[0])
+    assert torch.equal(replayed, by_form[0])
     v_.copy_(torch.randn(h, q, d, generator=g))
     graph.replay()
-    assert torch.equal(replayed, solve(gdn_triton.STAGE_CHOICES[-1]))
+    assert torch.equal(replayed, solve(gdn_triton.FORM_CHOICES[-1]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -80,17 +80,18 @@ def halving_clock(calls: list, device: torch.device) -> list[float]:
 
 
 @torch.inference_mode()
-def test_the_tree_kernels_depth_is_chosen_once_per_pass_shape(monkeypatch):
-    """``TREE_STAGES`` None: a tree-pass shape first met inside ``lt_product.choosing()`` runs each of
-    STAGE_CHOICES on its own inputs and keeps another than the first only where it is STAGE_MARGIN faster; a
-    depth whose bits differ is refused with a warning, as is one that fails; a shape first met outside
-    ``choosing()`` keeps the first, untimed. Later calls run the kept depth, and every depth gives the outputs
-    of the depth named. The trial runs on ``halving_clock``: the margin alone decides."""
+def test_the_tree_kernels_form_is_chosen_once_per_pass_shape(monkeypatch):
+    """``TREE_FORM`` None: a tree-pass shape first met inside ``lt_product.choosing()`` runs each of
+    FORM_CHOICES on its own inputs and keeps another than the first only where it is FORM_MARGIN faster; a
+    form whose bits differ is refused with a warning, as is one that fails; a shape first met outside
+    ``choosing()`` keeps the first, untimed. Later calls run the kept form, and every form gives the outputs
+    of the form named. The trial runs on ``halving_clock``: the margin alone decides (the last form takes
+    a quarter of the first's time)."""
     from workers.models import gdn_triton, lt_product
     from workers.models.gdn import ancestor_table, l2_normalize
     from workers.models.gdn_triton import tree_outputs
 
-    monkeypatch.setattr(gdn_triton, "TREE_STAGES", None)
+    monkeypatch.setattr(gdn_triton, "TREE_FORM", None)
     monkeypatch.setattr(lt_product, "time_calls", halving_clock)
     g = torch.Generator().manual_seed(5)
     q, hk, h, d = 17, 2, 4, 16
@@ -100,43 +101,44 @@ def test_the_tree_kernels_depth_is_chosen_once_per_pass_shape(monkeypatch):
     v_, state = torch.randn(h, q, d, generator=g), torch.randn(h, d, d, generator=g) * 0.3
     log_gate, beta = -torch.rand(q, h, generator=g), torch.rand(q, h, generator=g)
 
-    def solve(stages=None):
-        return tree_outputs(kq, v_, log_gate, beta, state, ancestors, num_stages=stages)
+    def solve(form=None):
+        return tree_outputs(kq, v_, log_gate, beta, state, ancestors, form=form)
 
-    named = solve(gdn_triton.STAGE_CHOICES[0])
-    for margin, kept in ((0.4, gdn_triton.STAGE_CHOICES[1]), (0.6, gdn_triton.STAGE_CHOICES[0])):
-        monkeypatch.setattr(gdn_triton, "_STAGES", {})
-        monkeypatch.setattr(gdn_triton, "_STAGE_TRIALS", {})
-        monkeypatch.setattr(gdn_triton, "STAGE_MARGIN", margin)
+    forms = gdn_triton.FORM_CHOICES
+    named = solve(forms[0])
+    for margin, kept in ((0.4, forms[-1]), (0.8, forms[0])):
+        monkeypatch.setattr(gdn_triton, "_FORMS", {})
+        monkeypatch.setattr(gdn_triton, "_FORM_TRIALS", {})
+        monkeypatch.setattr(gdn_triton, "FORM_MARGIN", margin)
         with lt_product.choosing():
             assert torch.equal(solve(), named)
-        assert torch.equal(solve(), named) and list(gdn_triton._STAGES.values()) == [kept]
-        [line] = gdn_triton.stages_report()
-        assert f"{q} nodes, {h} heads" in line and line.endswith(f"-> {kept} stages")
-        assert all(f"{stages} stages" in line for stages in gdn_triton.STAGE_CHOICES)
+        assert torch.equal(solve(), named) and list(gdn_triton._FORMS.values()) == [kept]
+        [line] = gdn_triton.forms_report()
+        assert f"{q} nodes, {h} heads" in line and line.endswith(f"-> {gdn_triton.form_name(kept)}")
+        assert all(f"{gdn_triton.form_name(form)} " in line for form in forms)
 
-    monkeypatch.setattr(gdn_triton, "_STAGES", {})
-    monkeypatch.setattr(gdn_triton, "_STAGE_TRIALS", {})
-    assert torch.equal(solve(), named) and gdn_triton.stages_report() == []  # first met outside: no trial
-    assert list(gdn_triton._STAGES.values()) == [gdn_triton.STAGE_CHOICES[0]]
+    monkeypatch.setattr(gdn_triton, "_FORMS", {})
+    monkeypatch.setattr(gdn_triton, "_FORM_TRIALS", {})
+    assert torch.equal(solve(), named) and gdn_triton.forms_report() == []  # first met outside: no trial
+    assert list(gdn_triton._FORMS.values()) == [forms[0]]
 
-    # a depth whose bits differ from the first's is never taken, even where any other would be
-    monkeypatch.setattr(gdn_triton, "STAGE_MARGIN", -100.0)
+    # a form whose bits differ from the first's is never taken, even where any other would be
+    monkeypatch.setattr(gdn_triton, "FORM_MARGIN", -100.0)
 
-    def launch(stages):
-        return named + (stages != gdn_triton.STAGE_CHOICES[0])
+    def launch(form):
+        return named + (form != forms[0])
 
     with lt_product.choosing(), pytest.warns(UserWarning, match="other bits"):
-        assert gdn_triton.chosen_stages(("other",), launch, torch.device("cpu")) == gdn_triton.STAGE_CHOICES[0]
+        assert gdn_triton.chosen_form(("other",), launch, torch.device("cpu")) == forms[0]
 
     # nor one that fails (say, past the GPU's shared memory)
-    def failing(stages):
-        if stages != gdn_triton.STAGE_CHOICES[0]:
+    def failing(form):
+        if form != forms[0]:
             raise RuntimeError("out of resources")
         return named
 
-    with lt_product.choosing(), pytest.warns(UserWarning, match="failed at"):
-        assert gdn_triton.chosen_stages(("failing",), failing, torch.device("cpu")) == gdn_triton.STAGE_CHOICES[0]
+    with lt_product.choosing(), pytest.warns(UserWarning, match="failed in form"):
+        assert gdn_triton.chosen_form(("failing",), failing, torch.device("cpu")) == forms[0]
 
 
 def attention_case(heads, groups, q, capacity, length, dim, causal):

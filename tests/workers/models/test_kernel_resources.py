@@ -62,13 +62,14 @@ def test_resident_blocks_follow_the_architectures_limits(regs, shared, warps, ar
     assert tool.resident_blocks({"regs": regs, "shared": shared, "stack": 0}, warps, arch) == (blocks, binding)
 
 
-def test_two_pipeline_stages_let_three_gdn_tree_programs_share_an_a6000_sm():
-    """What ``gdn_triton.TREE_STAGES`` says: a bfloat16 model's tree kernel at 3 stages takes 48 KB of
-    shared memory, so 2 programs fit an sm_86 SM; at 2 stages 3 fit."""
+def test_how_many_gdn_tree_programs_share_an_a6000_sm_in_each_form():
+    """What ``gdn_triton.TREE_FORM`` says: a bfloat16 model's tree kernel at 3 stages takes 48 KB of
+    shared memory, so 2 programs fit an sm_86 SM; at 2 stages 3 fit; with steps of 64 along dk, one."""
     tool = load_benchmark("kernel_resources")
     tree = {launch.label: launch for launch in tool.launches(TARGETS["qwen3.6-27b"])
             if launch.label.startswith("GDN tree blocks + gated norm (tf32,")}
     resident = {label: tool.resident_blocks(tool.resources(launch, 86), launch.kwargs.get("num_warps", 4), 86)[0]
                 for label, launch in tree.items()}
-    assert resident == {"GDN tree blocks + gated norm (tf32, 3 stages)": 2,
-                        "GDN tree blocks + gated norm (tf32, 2 stages)": 3}
+    assert resident == {"GDN tree blocks + gated norm (tf32, step 32, 3 stages)": 2,
+                        "GDN tree blocks + gated norm (tf32, step 32, 2 stages)": 3,
+                        "GDN tree blocks + gated norm (tf32, step 64, 2 stages)": 1}
