@@ -11,11 +11,11 @@
 #   gdn_triton.COMMIT_FORM            a GDN layer's commit token by token ("replay") or in the regrouped form
 #                                     ("chunk"): replay; on an H100 the chunk form lost on 4 streams at every
 #                                     path length (twentieth session)
-#   gdn_triton.TREE_FORM              the GDN tree kernel's step along dk and pipeline depth: None, chosen
-#                                     per pass shape on trial ((32, 3) unless (32, 2) or (64, 2) is 3%
-#                                     faster); on an RTX A6000 (32, 2) fits 3 programs an SM instead of 2
-#                                     (an H100: (64, 2) 5% faster at 257 nodes, twenty-eighth session; an
-#                                     A6000 not yet timed)
+#   gdn_triton.TREE_FORM              the GDN tree kernel's step along dk, pipeline depth
+#                                     and blocks a program: None, chosen per pass shape on trial ((32, 3, 1)
+#                                     unless another is 3% faster); on an RTX A6000 (32, 2, 1) fits 3 programs
+#                                     an SM instead of 2 (an H100: (64, 2, 1) 5% faster at 257 nodes,
+#                                     twenty-eighth session; an A6000 not yet timed)
 # A switch goes on only where its timing shows a gain and its GPU tests pass; on another GPU (an RTX A6000)
 # `tests`, `stages`, `ab qwen3-8b` and, for the 27B's layers, `SHAPE=qwen3.6-27b-half ... commit` and
 # `ab qwen3.6-27b-half` say whether the same holds there. The whole 27B shape (`commit`'s default,
@@ -109,7 +109,7 @@ tree() {  # with .device-run/tree_triton_*.py (say `git show HEAD~1:workers/deco
 
 stages() {  # gdn_triton.TREE_FORM: the 27B's GDN heads, q = 17..1025, a bfloat16 model's kernel in each form
   timeout 120 python3 -m pytest -q -n 8 -m gpu tests/workers/models/test_gdn_triton.py -k "tree_kernel"
-  timeout 120 python3 benchmarks/gdn_kernels.py --shape qwen3.6-27b --configs 32/3/4,32/2/4,64/2/4
+  timeout 120 python3 benchmarks/gdn_kernels.py --shape qwen3.6-27b --configs 32/3/4,32/2/4,64/2/4,32/3/4/2,32/2/4/2
 }
 
 beside() {  # generation.COMMIT_BESIDE_DRAFT on the 8B shape (no GDN layers: the commit is the K/V move): the

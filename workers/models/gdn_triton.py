@@ -8,10 +8,11 @@ torch kernels. ``gated_norm``: the output's RMSNormGated in one. Both follow the
 roundings to the model dtype, so they agree with it to rounding.
 
 ``tree_outputs``: the per-node path solve of ``workers.models.gdn.tree_delta_rule_normalized``
-in blocks, one program per (block, value head): a block is 16 nodes consecutive in depth-first order
-plus the ancestors of its first node (``tree_blocks.tree_blocks``), which hold every path its nodes
-need. On those 32 slots the program forms the keys' Gram matrix, the path sums of the log decay, L
-(the paths' systems: each slot's row on its strict ancestors) and the nodes' query weights e, then
+in blocks, one program per (block, value head) or per (two blocks, value head) (``TREE_FORM``): a block
+is 16 nodes consecutive in depth-first order plus the ancestors of its first node
+(``tree_blocks.tree_blocks``), which hold every path its nodes need. On those 32 slots a block's solve
+forms the keys' Gram matrix, the path sums of the log decay, L (the paths' systems: each slot's row on its
+strict ancestors) and the nodes' query weights e, then
 w = e (I + L)^-1 by the nilpotent product (I - L)(I + L^2)(I + L^4)(I + L^8), and the outputs
 exp(G) q_ S0 + w r regrouped so that only the nodes' rows meet the committed state S0: all
 tensor-core products of 32-wide tiles, nothing written but the outputs. Where the root is apart from the
@@ -38,18 +39,21 @@ from workers.models.tree_blocks import TREE_BLOCK, tree_blocks
 TREE_WARPS = 4
 # The tree kernel's form: (its step along dk in the products with the committed state, the stages of its
 # software pipeline over those steps: each step's slices of the state, keys and queries loaded that many
-# steps ahead; 3 is Triton's default). Every form gives the same bits (a product's sum runs in the same order
-# whatever the step). At (32, 3) a bfloat16 model's program takes 48 KB of shared memory, so an sm_86 or
-# sm_89 SM (an RTX A6000's: 100 KB) holds 2; at (32, 2) 32 KB and 3 fit, registers allowing; at (64, 2)
-# 50 KB, one on sm_86 and 3 on sm_90 (``benchmarks/kernel_resources.py``). On an H100 a 27B layer at 257 nodes
-# took 31.9 / 31.8 / 30.2 us in these three forms (``benchmarks/gdn_kernels.py --configs``). By default
-# (None) each tree-pass shape takes its form on trial on the GPU at hand (``chosen_form``): the first of
-# FORM_CHOICES unless another gives the same bits and is FORM_MARGIN faster. A (step, stages) forces one.
-TREE_FORM: tuple[int, int] | None = None
-FORM_CHOICES = ((32, 3), (32, 2), (64, 2))
+# steps ahead, 3 being Triton's default; the blocks a program takes, 1 or 2: with 2 each slice of the state
+# is read once for two blocks). Every form gives the same bits (a product's sum runs in the same order
+# whatever the step, and each block's arithmetic is the same alone or paired). At (32, 3, 1) a bfloat16
+# model's program takes 48 KB of shared memory, so an sm_86 or sm_89 SM (an RTX A6000's: 100 KB) holds 2; at
+# (32, 2, 1) 32 KB and 3 fit, registers allowing; at (64, 2, 1) 50 KB, one on sm_86 and 3 on sm_90; paired
+# blocks take ~206 registers, 2 programs on sm_90 (``benchmarks/kernel_resources.py``). On an H100 a 27B
+# layer at 257 nodes took 31.9 / 31.8 / 30.2 us in the first three forms (``benchmarks/gdn_kernels.py
+# --configs``). By default (None) each tree-pass shape takes its form on trial on the GPU at hand
+# (``chosen_form``): the first of FORM_CHOICES unless another gives the same bits and is FORM_MARGIN faster.
+# A (step, stages, blocks) forces one.
+TREE_FORM: tuple[int, int, int] | None = None
+FORM_CHOICES = ((32, 3, 1), (32, 2, 1), (64, 2, 1), (32, 3, 2), (32, 2, 2))
 FORM_MARGIN = 0.03
 # (device, the pass's shapes and forms) -> the form, kept for the process; and what each trial found
-_FORMS: dict[tuple, tuple[int, int]] = {}
+_FORMS: dict[tuple, tuple[int, int, int]] = {}
 _FORM_TRIALS: dict[tuple, str] = {}
 # A commit's form: "replay" (``_commit_kernel``, the path token by token) or "chunk" (``_commit_chunk_kernel``,
 # the regrouped form, flat in the path's length). On an H100 the chunk form lost on 4 streams at every
@@ -66,12 +70,13 @@ NORM_HEADS = 16  # heads per program of the gated norm
 
 @triton.jit
 def _tree_block_kernel(
-    KQ, V, STATE, LOG_GATE, BETA, SLOTS, MASK, OUT, Z, NORM_W, nodes, z_stride, eps, root_program,
+    KQ, V, STATE, LOG_GATE, BETA, SLOTS, MASK, OUT, Z, NORM_W, nodes, z_stride, eps, root_program, count,
     HEADS: tl.constexpr, REPEAT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CONTEXT: tl.constexpr,
     BLOCK: tl.constexpr, BK: tl.constexpr, FACTORS: tl.constexpr, PRECISION: tl.constexpr, NORMED: tl.constexpr,
-    PDL: tl.constexpr,
+    PAIRS: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (block b, value head h), or (b = root_program: the root apart from the blocks, head h).
+    """Program (block b, value head h); with PAIRS, blocks 2b and 2b + 1 of the count, each slice of
+    the state read once for both; or (b = root_program: the root apart from the blocks, head h).
     KQ [Hk, 2, q, DK] (k_, then q_; value head h reads key head h // REPEAT), V [H, q, DV], STATE [H,
     DK, DV] the committed state S0, LOG_GATE / BETA [q, H], SLOTS [n, S] (S = CONTEXT + BLOCK; the
     block's nodes in the last BLOCK slots), MASK [n, S, S] ancestor-or-self, from ``tree_blocks``. OUT
@@ -83,6 +88,9 @@ def _tree_block_kernel(
     if b == root_program:
         _root_outputs(KQ, V, STATE, LOG_GATE, BETA, OUT, Z, NORM_W, h, nodes, eps, HEADS, REPEAT, DK, DV, BK,
                       NORMED)
+    elif PAIRS:
+        _block_pair_outputs(KQ, V, STATE, LOG_GATE, BETA, SLOTS, MASK, OUT, Z, NORM_W, b, h, nodes, z_stride, eps,
+                            count, HEADS, REPEAT, DK, DV, CONTEXT, BLOCK, BK, FACTORS, PRECISION, NORMED)
     else:
         _block_outputs(KQ, V, STATE, LOG_GATE, BETA, SLOTS, MASK, OUT, Z, NORM_W, b, h, nodes, z_stride, eps,
                        HEADS, REPEAT, DK, DV, CONTEXT, BLOCK, BK, FACTORS, PRECISION, NORMED)
@@ -117,6 +125,54 @@ def _block_outputs(KQ, V, STATE, LOG_GATE, BETA, SLOTS, MASK, OUT, Z, NORM_W, b,
                    CONTEXT: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr, FACTORS: tl.constexpr,
                    PRECISION: tl.constexpr, NORMED: tl.constexpr):
     """The outputs of block b's nodes for head h."""
+    out, c, node_decay, row, valid, node, is_node, node_row = _block_solve(
+        KQ, V, LOG_GATE, BETA, SLOTS, MASK, b, h, nodes, HEADS, REPEAT, DK, DV, CONTEXT, BLOCK, FACTORS, PRECISION)
+    kq = KQ + (h // REPEAT) * 2 * nodes * DK
+    cols = tl.arange(0, DV)
+    # over DK in steps of BK: a whole [DK, DV] float32 state tile would not fit an RTX A6000's shared
+    # memory (99 KB a block) beside the other operands
+    for step in range(0, DK, BK):
+        ds = step + tl.arange(0, BK)
+        state = tl.load(STATE + h * DK * DV + ds[:, None] * DV + cols[None, :])  # [BK, DV]
+        out = _state_step(kq, state, out, c, node_decay, row, valid, node_row, is_node, ds, nodes, DK, PRECISION)
+    _block_store(OUT, Z, NORM_W, out, h, node, is_node, node_row, z_stride, eps, HEADS, DV, NORMED)
+
+
+@triton.jit
+def _block_pair_outputs(KQ, V, STATE, LOG_GATE, BETA, SLOTS, MASK, OUT, Z, NORM_W, b, h, nodes, z_stride, eps,
+                        count, HEADS: tl.constexpr, REPEAT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                        CONTEXT: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr, FACTORS: tl.constexpr,
+                        PRECISION: tl.constexpr, NORMED: tl.constexpr):
+    """The outputs of blocks 2b and 2b + 1 for head h, as ``_block_outputs`` gives each, with each slice
+    of the state loaded once for both: every program of a head reads the whole state, so pairs halve that
+    traffic. Where the count is odd the last program's second block is its first again, computed twice and
+    stored once (the second's stores masked off)."""
+    second = 2 * b + 1 < count
+    out0, c0, decay0, row0, valid0, node0, is_node0, node_row0 = _block_solve(
+        KQ, V, LOG_GATE, BETA, SLOTS, MASK, 2 * b, h, nodes, HEADS, REPEAT, DK, DV, CONTEXT, BLOCK, FACTORS,
+        PRECISION)
+    out1, c1, decay1, row1, valid1, node1, is_node1, node_row1 = _block_solve(
+        KQ, V, LOG_GATE, BETA, SLOTS, MASK, tl.minimum(2 * b + 1, count - 1), h, nodes, HEADS, REPEAT, DK, DV,
+        CONTEXT, BLOCK, FACTORS, PRECISION)
+    is_node1 = is_node1 & second
+    kq = KQ + (h // REPEAT) * 2 * nodes * DK
+    cols = tl.arange(0, DV)
+    for step in range(0, DK, BK):
+        ds = step + tl.arange(0, BK)
+        state = tl.load(STATE + h * DK * DV + ds[:, None] * DV + cols[None, :])  # [BK, DV]
+        out0 = _state_step(kq, state, out0, c0, decay0, row0, valid0, node_row0, is_node0, ds, nodes, DK, PRECISION)
+        out1 = _state_step(kq, state, out1, c1, decay1, row1, valid1, node_row1, is_node1, ds, nodes, DK, PRECISION)
+    _block_store(OUT, Z, NORM_W, out0, h, node0, is_node0, node_row0, z_stride, eps, HEADS, DV, NORMED)
+    _block_store(OUT, Z, NORM_W, out1, h, node1, is_node1, node_row1, z_stride, eps, HEADS, DV, NORMED)
+
+
+@triton.jit
+def _block_solve(KQ, V, LOG_GATE, BETA, SLOTS, MASK, b, h, nodes, HEADS: tl.constexpr, REPEAT: tl.constexpr,
+                 DK: tl.constexpr, DV: tl.constexpr, CONTEXT: tl.constexpr, BLOCK: tl.constexpr,
+                 FACTORS: tl.constexpr, PRECISION: tl.constexpr):
+    """Block b's path solve for head h, up to the products with the committed state: the outputs' value
+    part sum_n a[t, n] v_n [BLOCK, DV], the weights c [BLOCK, S] of the slots' keys in each node's
+    effective query, each node's exp(G_t) [BLOCK, 1], and the block's slot rows and node rows."""
     S: tl.constexpr = CONTEXT + BLOCK
     i = tl.arange(0, S)
     j = tl.arange(0, BLOCK) + CONTEXT  # the block's own slots: the nodes whose outputs this program writes
@@ -159,16 +215,23 @@ def _block_outputs(KQ, V, STATE, LOG_GATE, BETA, SLOTS, MASK, OUT, Z, NORM_W, b,
     c = a * tl.exp(G)[None, :]
     values = tl.load(V + (h * nodes + row[:, None]) * DV + cols[None, :], mask=valid[:, None], other=0.0)
     out = tl.dot(a, values, input_precision=PRECISION)  # [BLOCK, DV]
-    node_decay = tl.exp(G_node)[:, None]
-    # over DK in steps of BK: a whole [DK, DV] float32 state tile would not fit an RTX A6000's shared
-    # memory (99 KB a block) beside the other operands
-    for step in range(0, DK, BK):
-        ds = step + tl.arange(0, BK)
-        state = tl.load(STATE + h * DK * DV + ds[:, None] * DV + cols[None, :])  # [BK, DV]
-        k_part = tl.load(kq + row[:, None] * DK + ds[None, :], mask=valid[:, None], other=0.0)  # [S, BK]
-        q_part = tl.load(kq + (nodes + node_row[:, None]) * DK + ds[None, :], mask=is_node[:, None], other=0.0)
-        q_eff = node_decay * q_part - tl.dot(c, k_part, input_precision=PRECISION)  # [BLOCK, BK]
-        out = tl.dot(q_eff, state, out, input_precision=PRECISION)
+    return out, c, tl.exp(G_node)[:, None], row, valid, node, is_node, node_row
+
+
+@triton.jit
+def _state_step(kq, state, out, c, node_decay, row, valid, node_row, is_node, ds, nodes, DK: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """out += (exp(G_t) q_t - sum_n c[t, n] k_n) S0 over the dk slice ds of the queries, keys and state."""
+    k_part = tl.load(kq + row[:, None] * DK + ds[None, :], mask=valid[:, None], other=0.0)  # [S, BK]
+    q_part = tl.load(kq + (nodes + node_row[:, None]) * DK + ds[None, :], mask=is_node[:, None], other=0.0)
+    q_eff = node_decay * q_part - tl.dot(c, k_part, input_precision=PRECISION)  # [BLOCK, BK]
+    return tl.dot(q_eff, state, out, input_precision=PRECISION)
+
+
+@triton.jit
+def _block_store(OUT, Z, NORM_W, out, h, node, is_node, node_row, z_stride, eps, HEADS: tl.constexpr,
+                 DV: tl.constexpr, NORMED: tl.constexpr):
+    cols = tl.arange(0, DV)
     if NORMED:
         z = tl.load(Z + node_row[:, None] * z_stride + h * DV + cols[None, :], mask=is_node[:, None], other=0.0)
         out = _gated_norm(out, z, tl.load(NORM_W + cols)[None, :], eps, OUT.dtype.element_ty, DV)
@@ -187,7 +250,7 @@ def tree_outputs(
     num_warps: int | None = None,
     precision: str | None = None,
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (z [q, H*dv], weight [dv], eps)
-    form: tuple[int, int] | None = None,  # (step, stages): TREE_FORM (or the form chosen on trial) unless given
+    form: tuple[int, int, int] | None = None,  # (step, stages, blocks a program): TREE_FORM or chosen on trial
 ) -> torch.Tensor:
     """Outputs [q, H, dv] float32, as ``gdn.tree_delta_rule_normalized`` computes them; with
     ``norm``, ``gated_norm(outputs, z, weight, eps, model_dtype)`` [q, H*dv] instead, in the kernel's
@@ -209,18 +272,20 @@ def tree_outputs(
     z, weight, eps = norm if norm is not None else (v_, v_, 0.0)  # without the norm, not read
     z = z if z.stride(-1) == 1 else z.contiguous()
 
-    def launch(form: tuple[int, int]) -> torch.Tensor:
-        step, stages = form
+    def launch(form: tuple[int, int, int]) -> torch.Tensor:
+        step, stages, blocks_each = form
+        programs = -(-count // blocks_each)
         if norm is None:
             out = torch.empty(nodes, heads, dv, dtype=torch.float32, device=v_.device)
         else:
             out = torch.empty(nodes, heads * dv, dtype=model_dtype, device=v_.device)
-        _tree_block_kernel[(count + apart, heads)](
+        _tree_block_kernel[(programs + apart, heads)](
             kq, v_, state, log_gate, beta, slots, mask.view(torch.uint8), out, z, weight, nodes, z.stride(0), eps,
-            count if apart else -1,
+            programs if apart else -1, count,
             HEADS=heads, REPEAT=heads // key_heads, DK=dk, DV=dv, CONTEXT=slots.shape[1] - TREE_BLOCK,
             BLOCK=TREE_BLOCK, BK=min(dk, step),
             FACTORS=max(1, (ancestors.shape[1] - 1).bit_length()), PRECISION=precision, NORMED=norm is not None,
+            PAIRS=blocks_each == 2,
             num_warps=num_warps or TREE_WARPS, num_stages=stages, **launch_options(out.device),
         )
         return out
@@ -233,11 +298,12 @@ def tree_outputs(
     return launch(form)
 
 
-def chosen_form(shape: tuple, launch, device: torch.device) -> tuple[int, int]:
-    """The tree kernel's (step, stages) for a pass of this shape (``TREE_FORM`` None), chosen at its first
-    call and kept for the process. First met inside ``lt_product.choosing()`` (the graphs' warm-ups), each of
-    FORM_CHOICES runs on this call's own inputs (``launch(form)``); a form that fails or whose output is not
-    the first one's bit for bit is refused with a warning, and another replaces the first only where
+def chosen_form(shape: tuple, launch, device: torch.device) -> tuple[int, int, int]:
+    """The tree kernel's (step, stages, blocks a program) for a pass of this shape (``TREE_FORM`` None),
+    chosen at its first call and kept for the process. First met inside ``lt_product.choosing()`` (the
+    graphs' warm-ups), each of FORM_CHOICES runs on this call's own inputs (``launch(form)``); a form that
+    fails or whose output is not the first one's bit for bit is refused with a warning, and another replaces
+    the first only where
     ``lt_product.time_calls`` puts it FORM_MARGIN under the first's time. First met anywhere else: the first
     choice, untimed (a prompt's every last partial chunk would be timed inside timed runs)."""
     from workers.models import lt_product
@@ -270,8 +336,8 @@ def chosen_form(shape: tuple, launch, device: torch.device) -> tuple[int, int]:
     return _FORMS[shape]
 
 
-def form_name(form: tuple[int, int]) -> str:
-    return f"step {form[0]}, {form[1]} stages"
+def form_name(form: tuple[int, int, int]) -> str:
+    return f"step {form[0]}, {form[1]} stages, {form[2]} block{'s' * (form[2] > 1)} a program"
 
 
 def forms_report() -> list[str]:

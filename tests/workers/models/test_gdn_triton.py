@@ -21,12 +21,13 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("form", [(32, 3), (32, 2), (64, 2)])
+@pytest.mark.parametrize("form", [(32, 3, 1), (32, 2, 1), (64, 2, 1), (32, 3, 2), (32, 2, 2)])
 @pytest.mark.parametrize("q, depth, dk, dv", [(1, 1, 16, 16), (17, 15, 128, 128), (257, 15, 128, 128),
                                               (300, 6, 64, 32), (80, "deep", 128, 128)])
 def test_triton_tree_kernel_equals_the_torch_path(q, depth, dk, dv, form, monkeypatch):
     """The deep case: 16-node paths, aligned keys and slow decay, where every factor of the solve weighs.
-    In every form (step along dk, pipeline stages: ``gdn_triton.TREE_FORM``)."""
+    In every form (step along dk, pipeline stages, blocks a program: ``gdn_triton.TREE_FORM``); with
+    blocks in pairs, an odd count of blocks at 17, 300 and 80 nodes."""
     from workers.models import gdn_triton
 
     monkeypatch.setattr(gdn_triton, "TREE_FORM", form)
@@ -46,7 +47,7 @@ def test_triton_tree_kernel_equals_the_torch_path(q, depth, dk, dv, form, monkey
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("form", [(32, 3), (32, 2), (64, 2)])
+@pytest.mark.parametrize("form", [(32, 3, 1), (32, 2, 1), (64, 2, 1), (32, 3, 2), (32, 2, 2)])
 @pytest.mark.parametrize("q", [16, 257, 1025])
 def test_the_bfloat16_models_tf32_tree_kernel_stays_below_bfloat16_rounding(q, form):
     """For a bfloat16 model the blocked solve's products run in tf32: all outputs within 5e-3 relative

@@ -64,12 +64,14 @@ def test_resident_blocks_follow_the_architectures_limits(regs, shared, warps, ar
 
 def test_how_many_gdn_tree_programs_share_an_a6000_sm_in_each_form():
     """What ``gdn_triton.TREE_FORM`` says: a bfloat16 model's tree kernel at 3 stages takes 48 KB of
-    shared memory, so 2 programs fit an sm_86 SM; at 2 stages 3 fit; with steps of 64 along dk, one."""
+    shared memory, so 2 programs fit an sm_86 SM; at 2 stages 3 fit; with steps of 64 along dk, one; with
+    blocks in pairs, 1 at 3 stages and 2 at 2."""
     tool = load_benchmark("kernel_resources")
     tree = {launch.label: launch for launch in tool.launches(TARGETS["qwen3.6-27b"])
             if launch.label.startswith("GDN tree blocks + gated norm (tf32,")}
     resident = {label: tool.resident_blocks(tool.resources(launch, 86), launch.kwargs.get("num_warps", 4), 86)[0]
                 for label, launch in tree.items()}
-    assert resident == {"GDN tree blocks + gated norm (tf32, step 32, 3 stages)": 2,
-                        "GDN tree blocks + gated norm (tf32, step 32, 2 stages)": 3,
-                        "GDN tree blocks + gated norm (tf32, step 64, 2 stages)": 1}
+    label = "GDN tree blocks + gated norm (tf32, step {}, {} stages, {} a program)"
+    assert resident == {label.format(32, 3, "1 block"): 2, label.format(32, 2, "1 block"): 3,
+                        label.format(64, 2, "1 block"): 1, label.format(32, 3, "2 blocks"): 1,
+                        label.format(32, 2, "2 blocks"): 2}
