@@ -100,9 +100,9 @@ def test_the_gated_norm_in_the_tree_kernels_epilogue_equals_the_norm_kernel_afte
 @torch.inference_mode()
 def test_every_form_gives_the_same_bits_and_a_graph_replays_the_form_chosen_on_trial(q, monkeypatch):
     """The premise of choosing the tree kernel's form on trial (``TREE_FORM`` None): each of FORM_CHOICES
-    gives the same bits (a bfloat16 model's tf32 products, the gated norm in the epilogue). A pass captured
-    by ``graph_cache.capture`` has its form chosen in the warm-ups (``forms_report``), and the replay gives
-    those bits, on new inputs too."""
+    (and PAIRED_FORMS, which would join them) gives the same bits (a bfloat16 model's tf32 products, the
+    gated norm in the epilogue). A pass captured by ``graph_cache.capture`` has its form chosen in the
+    warm-ups (``forms_report``), and the replay gives those bits, on new inputs too."""
     from workers.models import gdn_triton, graph_cache
     from workers.models.gdn import l2_normalize
 
@@ -123,7 +123,7 @@ def test_every_form_gives_the_same_bits_and_a_graph_replays_the_form_chosen_on_t
         return gdn_triton.tree_outputs(kq, v_, log_gate, beta, state, ancestors, model_dtype=torch.bfloat16,
                                        norm=(z, weight, 1e-6), form=form)
 
-    by_form = [solve(form) for form in gdn_triton.FORM_CHOICES]
+    by_form = [solve(form) for form in gdn_triton.FORM_CHOICES + gdn_triton.PAIRED_FORMS]
     assert all(torch.equal(out, by_form[0]) for out in by_form[1:])
     graph, replayed = graph_cache.capture(solve)
     [line] = gdn_triton.forms_report()
