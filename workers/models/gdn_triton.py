@@ -12,10 +12,10 @@ in blocks, one program per (block, value head) or per (two blocks, value head) (
 is 16 nodes consecutive in depth-first order plus the ancestors of its first node
 (``tree_blocks.tree_blocks``), which hold every path its nodes need. On those 32 slots a block's solve
 forms the keys' Gram matrix, the path sums of the log decay, L (the paths' systems: each slot's row on its
-strict ancestors) and the nodes' query weights e, then
-w = e (I + L)^-1 by the nilpotent product (I - L)(I + L^2)(I + L^4)(I + L^8), and the outputs
-exp(G) q_ S0 + w r regrouped so that only the nodes' rows meet the committed state S0: all
-tensor-core products of 32-wide tiles, nothing written but the outputs. Where the root is apart from the
+strict ancestors) and the nodes' query weights e, then w = e (I + L)^-1 by the nilpotent product
+(I - L)(I + L^2)(I + L^4)(I + L^8), and the outputs exp(G) q_ S0 + w r regrouped so that only the nodes'
+rows meet the committed state S0: all tensor-core products of 32-wide tiles, nothing written but the
+outputs. Where the root is apart from the
 blocks (``tree_blocks.root_apart``), one more program per head gives its output. The torch form in
 ``gdn`` is the reference it is tested against (``tests/workers/models/test_gdn_triton.py``).
 
@@ -306,9 +306,9 @@ def chosen_form(shape: tuple, launch, device: torch.device) -> tuple[int, int, i
     chosen at its first call and kept for the process. First met inside ``lt_product.choosing()`` (the
     graphs' warm-ups), each of FORM_CHOICES runs on this call's own inputs (``launch(form)``); a form that
     fails or whose output is not the first one's bit for bit is refused with a warning, and another replaces
-    the first only where
-    ``lt_product.time_calls`` puts it FORM_MARGIN under the first's time. First met anywhere else: the first
-    choice, untimed (a prompt's every last partial chunk would be timed inside timed runs)."""
+    the first only where ``lt_product.time_calls`` puts it FORM_MARGIN under the first's time. First met
+    anywhere else: the first choice, untimed (a prompt's every last partial chunk would be timed inside
+    timed runs)."""
     from workers.models import lt_product
 
     if shape not in _FORMS:
