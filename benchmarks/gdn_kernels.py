@@ -118,7 +118,7 @@ def main() -> int:
                  + f"{'torch solve':>12} " + " ".join(f"{p + ' err':>11}" for p in precisions))
     for q in (17, 65, 257, 1025):
         ancestors, kq, v_, g, beta, state = layer_inputs(q, hk, h, dk, dv)
-        k_, q_ = kq[:, 0], kq[:, 1]
+        k_, q_ = kq[:, 0].contiguous(), kq[:, 1].contiguous()
         whole = median_ms(graphed(lambda: tree_delta_rule_normalized(q_, k_, v_, g, beta, state, ancestors, True)))
         blocks = tree_blocks(ancestors)
         blocks_ms = median_ms(graphed(lambda: tree_blocks(ancestors)))

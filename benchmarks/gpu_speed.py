@@ -415,7 +415,7 @@ def measure(args: argparse.Namespace) -> int:
 def lt_lines() -> list[str]:
     """What ``lt_product`` timed and chose per product shape in this run (nothing with --no-lt), the
     attention's form per pass shape where it was chosen on trial (``--attention-form chosen``), and the GDN
-    tree kernel's form (step along dk, pipeline stages) per pass shape (hybrids)."""
+    tree kernel's form (step along dk, pipeline stages, blocks a program) per pass shape (hybrids)."""
     chosen, forms, gdn_forms = lt_product.report(), attention_triton.report(), gdn_triton.forms_report()
     return ((["cuBLASLt per shape (lt_product: torch's call, the fastest offered algorithm, the choice):"] + chosen
              if chosen else [])
