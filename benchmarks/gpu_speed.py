@@ -23,7 +23,8 @@ drafter (5 layers, block 16). Prints, last, one table:
 chose (``attention_triton.SHARED``, key splits by default);
 ``--commit-branches N`` puts a commit's pieces on N streams (``runner.loop.COMMIT_BRANCHES``) and ``--commit-beside
 on|off`` each round's commit beside the next draft or after it (``decoding.generation.COMMIT_BESIDE_DRAFT``),
-``--commit-form replay|chunk`` each GDN layer's commit token by token or regrouped (``gdn_triton.COMMIT_FORM``);
+``--commit-form replay|chunk`` each GDN layer's commit token by token or regrouped (``gdn_triton.COMMIT_FORM``),
+``--tree-forms 32/3/1,64/2/1,...`` the GDN tree kernel's forms each tree-pass shape tries (``gdn_triton.FORM_CHOICES``);
 by default each as its module sets it.
 """
 
@@ -149,6 +150,10 @@ def main() -> int:
     parser.add_argument("--commit-form", choices=("replay", "chunk"),
                         help="each GDN layer's commit token by token or in the regrouped form "
                              "(gdn_triton.COMMIT_FORM; default: as the module sets it)")
+    parser.add_argument("--tree-forms",
+                        help="the GDN tree kernel's forms each tree-pass shape tries, step/stages/blocks, comma-"
+                             "separated, the first the default (gdn_triton.FORM_CHOICES; e.g. 32/3/1,64/2/1,32/3/2 "
+                             "to try the paired form too)")
     args = parser.parse_args()
     lt_product.ENABLED = not args.no_lt
     if args.attention_form:
@@ -161,6 +166,11 @@ def main() -> int:
         from workers.models import gdn_triton
 
         gdn_triton.COMMIT_FORM = args.commit_form
+    if args.tree_forms:
+        from workers.models import gdn_triton
+
+        gdn_triton.FORM_CHOICES = tuple(tuple(int(part) for part in form.split("/"))
+                                        for form in args.tree_forms.split(","))
     if args.wide_triton:
         from workers.models import wide_triton
 
