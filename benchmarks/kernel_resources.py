@@ -22,7 +22,6 @@ import subprocess
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from unittest import mock
 
 import torch
 import triton
@@ -186,16 +185,6 @@ def launches(shape: dict, q: int = 257) -> list[Launch]:
                                               nodes=q, ends=(slots + 1).to(torch.int32))  # a target pass's form
             attention[0].family, attention[0].min_arch = family, 90 if tma else 0
             out += attention if choice == 0 and not tma else attention[:1]  # the merge once: the same kernel
-    for tma in (False, True):  # 4 key splits merged by the last to arrive, inside the kernel (MERGE_BY_LAST)
-        tiles = attention_triton.tiles_for(head_dim)[0]
-        family = f"verify attention{' by TMA' if tma else ''}, merged by its last split (4 key splits"
-        with (attention_triton.only_tiles(tiles), attention_triton.by_descriptor(tma),
-              mock.patch.object(attention_triton, "MERGE_BY_LAST", True),
-              recording(attention_triton, "_attention_kernel", f"{family}, {'x'.join(map(str, tiles))})", out)):
-            attention_triton.attend_until(torch.zeros(kv_heads, rows, head_dim, dtype=bf16), kv[0, 0], kv[1, 0],
-                                          torch.zeros(rows, capacity, dtype=bf16), slots, head_dim**-0.5, 4,
-                                          nodes=q, ends=(slots + 1).to(torch.int32))
-        out[-1].min_arch = 90 if tma else 0
     for tma in (False, True):  # the work shared among one round of programs (stream-K), not yet on by default
         family = f"verify attention, shared work{' by TMA' if tma else ''}"
         for tiles in attention_triton.tiles_for(head_dim):

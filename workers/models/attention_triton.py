@@ -153,7 +153,7 @@ def _store_partial(PARTIAL, STATS, at, in_rows, best, total, acc, D: tl.constexp
 def _attention_kernel(Q, K, V, K_DESC, V_DESC, MASK, SLOTS, ENDS, OUT, PARTIAL, STATS, ARRIVED, rows, last,
                       k_head_stride, k_row_stride, mask_stride, scale, nodes, out_head, out_group, out_node,
                       D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, TMA: tl.constexpr,
-                      BOUNDED: tl.constexpr, LAST_MERGES: tl.constexpr, MERGE_ROWS: tl.constexpr, PDL: tl.constexpr):
+                      BOUNDED: tl.constexpr, LAST_MERGES: tl.constexpr, PDL: tl.constexpr):
     """Program (row block, K/V head, split). Q [Hkv, R, D]; K / V rows at head * k_head_stride +
     key * k_row_stride; MASK [R, C] additive, read only from the pass's first slot SLOTS[0] on (the
     committed past before it is visible to every row); keys past SLOTS[last] are not read. Row
@@ -190,16 +190,11 @@ def _attention_kernel(Q, K, V, K_DESC, V_DESC, MASK, SLOTS, ENDS, OUT, PARTIAL, 
             item = head * tl.num_programs(0) + block
             tl.debug_barrier()  # every thread's sums stored before the count says so (the atomic releases them)
             if tl.atomic_add(ARRIVED + item, 1, sem="acq_rel") == SPLITS - 1:
-                # MERGE_ROWS rows at a time, a loop not unrolled: the block's sums of every split at once would
-                # hold registers the key loop needs (2 programs an SM where it runs 3)
-                for first in range(block * BM, block * BM + BM, MERGE_ROWS):
-                    m = first + tl.arange(0, MERGE_ROWS)
-                    in_m = m < rows
-                    parts = tl.full((MERGE_ROWS,), SPLITS, dtype=tl.int32)
-                    sums, totals = _merged(PARTIAL, STATS, head * rows + m, in_m, parts, heads * rows, D, SPLITS)
-                    at_m = _out_rows(head, m, nodes, out_head, out_group, out_node)
-                    tl.store(OUT + at_m[:, None] + tl.arange(0, D)[None, :],
-                             (sums / totals[:, None]).to(OUT.dtype.element_ty), mask=in_m[:, None])
+                parts = tl.full((BM,), SPLITS, dtype=tl.int32)
+                acc, total = _merged(PARTIAL, STATS, head * rows + r, in_rows, parts, heads * rows, D, SPLITS)
+                at = _out_rows(head, r, nodes, out_head, out_group, out_node)
+                tl.store(OUT + at[:, None] + tl.arange(0, D)[None, :],
+                         (acc / total[:, None]).to(OUT.dtype.element_ty), mask=in_rows[:, None])
                 tl.atomic_xchg(ARRIVED + item, 0)  # ready for the next call (a graph replays it as it is)
 
 
@@ -340,7 +335,6 @@ MERGE_ELEMENTS, MERGE_MIN_ROWS = 1024, 2
 # one kernel fewer a layer in every pass that splits its keys (a decode step's, a verify pass's). Off until
 # timed (``benchmarks/attention_kernels.py --merge``); the shared form keeps the merge kernel.
 MERGE_BY_LAST = False
-MERGE_ELEMENTS_LAST = 2048  # partial sums [rows, D] of each split the last program merges at a time
 
 # (device, head size, pass rows' class: ``kernels.row_block``) -> the first of TILES that fit its
 # shared memory, or None: none did (SDPA then)
@@ -524,7 +518,7 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
                 _attention_kernel[(blocks, heads, key_splits)](
                     *inputs, out, partial, stats, arrived if arrived is not None else out, rows, slots.shape[0] - 1,
                     key.stride(0), key.stride(1), mask.stride(0), scale, *layout, SPLITS=key_splits,
-                    LAST_MERGES=arrived is not None, MERGE_ROWS=min(block_rows, MERGE_ELEMENTS_LAST // dim), **common)
+                    LAST_MERGES=arrived is not None, **common)
         except OutOfResources:  # raised when compiling, before any launch: the next tiles
             continue
         _CHOSEN[chosen] = tiles
