@@ -18,9 +18,7 @@ mask (not the pass's attention: what a fused kernel does at this shape) and cuDN
 prompt chunk (every node sees every earlier one; with ``--length 0`` a prompt's first chunk) instead
 of a random tree. ``--shared`` also times each choice without given splits with its work shared among
 one round of the programs the GPU holds at once (``attention_triton.SHARED``, stream-K: "shared"), and
-``--programs`` among each of these counts ("shared N"). ``--merge`` times each choice that splits its keys
-also with the splits merged by the last to arrive, inside the kernel (``attention_triton.MERGE_BY_LAST``:
-"last"), and says whether it gives the merge kernel's bits.
+``--programs`` among each of these counts ("shared N").
 """
 
 from __future__ import annotations
@@ -107,8 +105,6 @@ def main() -> int:
     parser.add_argument("--causal", action="store_true", help="a prompt chunk's visibility instead of a tree's")
     parser.add_argument("--shared", action="store_true",
                         help="each choice without given splits also with its work shared among one round of programs")
-    parser.add_argument("--merge", action="store_true",
-                        help="each choice also with its key splits merged by the last to arrive, inside the kernel")
     parser.add_argument("--programs", type=numbers, default=(),
                         help="and shared among each of these counts, e.g. 264,528")
     args = parser.parse_args()
@@ -171,13 +167,6 @@ def main() -> int:
                 error = ((got.float() - reference).norm() / reference.norm()).item()
                 name += " ends" if bounded else ""
                 print(f"{q:>5} {rows:>5} {name:>46} {replay_us(call):7.1f} {error:7.0e}")
-                if args.merge and programs is None:
-                    attention_triton.MERGE_BY_LAST = True
-                    try:
-                        same = "same bits" if torch.equal(call(), got) else "OTHER BITS"
-                        print(f"{q:>5} {rows:>5} {name + ' last':>46} {replay_us(call):7.1f} {error:7.0e} {same}")
-                    finally:
-                        attention_triton.MERGE_BY_LAST = False
     return 0
 
 

@@ -1,7 +1,7 @@
 """Programmatic dependent launch off and on in one process: the target's graph-replayed passes, taking
 turns, so the GPU's clock and the chosen cuBLASLt algorithms are the same for all.
 
-    python benchmarks/pdl_ab.py [--shape qwen3.6-27b] [--qs 1,17,257] [--reps 30] [--switch pdl|merge]
+    python benchmarks/pdl_ab.py [--shape qwen3.6-27b] [--qs 1,17,257] [--reps 30]
 
 Three ``StaticTarget``s over one random-weight model (bf16, one GPU) capture their graphs with the
 Triton kernels launched without PDL, with PDL waiting only, and with PDL waiting and then releasing the
@@ -13,10 +13,6 @@ synchronisation). Prints per row the median and quartiles of each, and the ratio
 no PDL; per width, the SM clock and board power (nvidia-smi) just after its timings (a lower clock
 under seconds of compute-bound replays makes its wide passes slower than ``gpu_speed.py``'s short runs
 time them: ``sustained.py``).
-
-``--switch merge`` takes turns instead between the attention's key splits merged by a kernel after the
-attention kernel and by the last split to arrive inside it (``attention_triton.MERGE_BY_LAST``), PDL as
-the module sets it; each target's graphs are captured with its setting (the outputs are the same bits).
 """
 
 from __future__ import annotations
@@ -29,7 +25,7 @@ import torch
 from gpu_speed import random_tree  # sibling scripts: benchmarks/ is on sys.path
 from sustained import clock_and_power
 
-from workers.models import attention_triton, kernels, lt_product, pdl_triton
+from workers.models import lt_product, pdl_triton
 from workers.models.kernels import dependent_launches
 from workers.models.runner.target import StaticTarget
 from workers.models.shapes import build_random_drafter, build_random_target
@@ -46,7 +42,6 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--qs", default="1,17,257")
     parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--switch", choices=("pdl", "merge"), default="pdl")
     args = parser.parse_args()
     device = torch.device("cuda")
     qs = [int(q) for q in args.qs.split(",")]
@@ -54,15 +49,11 @@ def main() -> int:
         model = build_random_target(args.shape, torch.bfloat16, device)
         taps = build_random_drafter(args.shape, model).spec.target_layer_ids
         prompt = torch.randint(1, model.config.vocab_size - 1, (1, args.context), device=device)
-        if args.switch == "pdl":
-            modes = {"off": 0, "wait": pdl_triton.WAIT, "release": pdl_triton.WAIT_AND_RELEASE}
-        else:  # the attention's merge: "off" the kernel after it, "last" the last split inside it
-            modes = {"off": False, "last": True}
+        modes = {"off": 0, "wait": pdl_triton.WAIT, "release": pdl_triton.WAIT_AND_RELEASE}
         targets = {label: StaticTarget(model, taps, graphs=True) for label in modes}
-        enabled, pdl_mode = pdl_triton._enabled, pdl_triton.MODE
+        enabled = pdl_triton._enabled
         with dependent_launches(True):
-            print(f"{args.shape}, context {args.context}; PDL mode on this GPU: {pdl_triton.launch_options(device)};"
-                  f" switch {args.switch}")
+            print(f"{args.shape}, context {args.context}; PDL mode on this GPU: {pdl_triton.launch_options(device)}")
         print(f"{'q':>5} {'way':>6} " + " ".join(f"{label + ' ms (q1 med q3)':>24}" for label in modes)
               + " " + " ".join(f"{label + '/off':>11}" for label in modes if modes[label]))
         for q in qs:
@@ -70,11 +61,8 @@ def main() -> int:
             chain = prompt[0, :q]
             calls, replays = {}, {}
             for label, target in targets.items():
-                if args.switch == "pdl":
-                    pdl_triton._enabled = enabled if modes[label] else (lambda device_index: False)
-                    pdl_triton.MODE = modes[label]
-                else:
-                    attention_triton.MERGE_BY_LAST = modes[label]
+                pdl_triton._enabled = enabled if modes[label] else (lambda device_index: False)
+                pdl_triton.MODE = modes[label]
                 target.start(capacity=args.context + 600, max_verify=max(qs))
                 target.prefill(prompt)
                 if q == 1:
@@ -89,10 +77,7 @@ def main() -> int:
                 with dependent_launches(True):
                     calls[label]()  # captures with this launch setting
                 calls[label]()
-            pdl_triton._enabled, pdl_triton.MODE = enabled, pdl_mode
-            attention_triton.MERGE_BY_LAST = False
-            if args.switch == "merge":
-                assert any(owner == "attention" for owner, _ in kernels._ARRIVED), "no split merged by its last"
+            pdl_triton._enabled = enabled
             torch.cuda.synchronize()
             replay_ms = {label: [] for label in targets}
             call_ms = {label: [] for label in targets}

@@ -36,7 +36,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from workers.models.kernels import MAX_KEY_SPLITS, ROW_BLOCK, arrival_counts, row_block
+from workers.models.kernels import MAX_KEY_SPLITS, ROW_BLOCK, row_block
 from workers.models.pdl_triton import launch_options, wait_for_inputs
 
 # (most query rows per program, keys per step, warps, pipeline stages) for head sizes up to 128 and
@@ -150,10 +150,10 @@ def _store_partial(PARTIAL, STATS, at, in_rows, best, total, acc, D: tl.constexp
 
 
 @triton.jit
-def _attention_kernel(Q, K, V, K_DESC, V_DESC, MASK, SLOTS, ENDS, OUT, PARTIAL, STATS, ARRIVED, rows, last,
-                      k_head_stride, k_row_stride, mask_stride, scale, nodes, out_head, out_group, out_node,
-                      D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, TMA: tl.constexpr,
-                      BOUNDED: tl.constexpr, LAST_MERGES: tl.constexpr, PDL: tl.constexpr):
+def _attention_kernel(Q, K, V, K_DESC, V_DESC, MASK, SLOTS, ENDS, OUT, PARTIAL, STATS, rows, last, k_head_stride,
+                      k_row_stride, mask_stride, scale, nodes, out_head, out_group, out_node, D: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, TMA: tl.constexpr,
+                      BOUNDED: tl.constexpr, PDL: tl.constexpr):
     """Program (row block, K/V head, split). Q [Hkv, R, D]; K / V rows at head * k_head_stride +
     key * k_row_stride; MASK [R, C] additive, read only from the pass's first slot SLOTS[0] on (the
     committed past before it is visible to every row); keys past SLOTS[last] are not read. Row
@@ -162,9 +162,7 @@ def _attention_kernel(Q, K, V, K_DESC, V_DESC, MASK, SLOTS, ENDS, OUT, PARTIAL, 
     (max, sum). TMA: whole K/V tiles come by the tensor descriptors K_DESC / V_DESC (Hopper on), the
     last part-tile of the keys by block pointers. BOUNDED: ENDS [nodes] holds one past the last key nodes
     0..t see (a running maximum), and the program reads keys only up to its last node's (before the
-    split). LAST_MERGES (SPLITS > 1): the last of a (row block, K/V head)'s splits to arrive (ARRIVED [blocks
-    x Hkv] int32 counts, 0 before, reset after) merges its rows as ``_merge_kernel`` does; else that kernel
-    does, after this one."""
+    split)."""
     wait_for_inputs(PDL)
     block = tl.program_id(0)
     head = tl.program_id(1)
@@ -186,16 +184,6 @@ def _attention_kernel(Q, K, V, K_DESC, V_DESC, MASK, SLOTS, ENDS, OUT, PARTIAL, 
                  mask=in_rows[:, None])
     else:
         _store_partial(PARTIAL, STATS, (split * heads + head) * rows + r, in_rows, best, total, acc, D)
-        if LAST_MERGES:
-            item = head * tl.num_programs(0) + block
-            tl.debug_barrier()  # every thread's sums stored before the count says so (the atomic releases them)
-            if tl.atomic_add(ARRIVED + item, 1, sem="acq_rel") == SPLITS - 1:
-                parts = tl.full((BM,), SPLITS, dtype=tl.int32)
-                acc, total = _merged(PARTIAL, STATS, head * rows + r, in_rows, parts, heads * rows, D, SPLITS)
-                at = _out_rows(head, r, nodes, out_head, out_group, out_node)
-                tl.store(OUT + at[:, None] + tl.arange(0, D)[None, :],
-                         (acc / total[:, None]).to(OUT.dtype.element_ty), mask=in_rows[:, None])
-                tl.atomic_xchg(ARRIVED + item, 0)  # ready for the next call (a graph replays it as it is)
 
 
 @triton.jit
@@ -240,50 +228,39 @@ def _shared_kernel(Q, K, V, K_DESC, V_DESC, MASK, SLOTS, ENDS, PARTIAL, STATS, P
 
 
 @triton.jit
-def _merged(PARTIAL, STATS, r, in_rows, parts, count, D: tl.constexpr, SPLITS: tl.constexpr):
-    """Rows r (of the count = Hkv x R folded rows) merged from their first ``parts`` partial sums: each
-    split's PARTIAL weighted by exp(its max - the largest max), over the same weighting of their STATS sums
-    -> (sums [rows, D], totals [rows]). The splits' loops are unrolled, so their loads are in flight
-    together: a decode step's merge is a few rows, where one dependent load after another would be its
-    whole cost. The loads go to L2 (other multiprocessors wrote the parts, maybe in this kernel)."""
-    d = tl.arange(0, D)
-    top = tl.full(r.shape, float("-inf"), dtype=tl.float32)
-    for split in tl.static_range(SPLITS):
-        here = in_rows & (split < parts)
-        top = tl.maximum(top, tl.load(STATS + (split * count + r) * 2, mask=here, other=float("-inf"),
-                                      cache_modifier=".cg"))
-    top = tl.where(in_rows, top, 0.0)  # rows past count: finite, not stored
-    acc = tl.zeros((r.shape[0], D), dtype=tl.float32)
-    total = tl.zeros(r.shape, dtype=tl.float32)
-    for split in tl.static_range(SPLITS):
-        at = split * count + r
-        here = in_rows & (split < parts)
-        # read no key, or no part: weight 0
-        weight = tl.exp(tl.load(STATS + at * 2, mask=here, other=float("-inf"), cache_modifier=".cg") - top)
-        total += weight * tl.load(STATS + at * 2 + 1, mask=here, other=0.0, cache_modifier=".cg")
-        acc += weight[:, None] * tl.load(PARTIAL + at[:, None] * D + d[None, :], mask=here[:, None], other=0.0,
-                                         cache_modifier=".cg")
-    return acc, tl.where(in_rows, total, 1.0)
-
-
-@triton.jit
 def _merge_kernel(PARTIAL, STATS, PARTS, OUT, count, rows, nodes, out_head, out_group, out_node, D: tl.constexpr,
                   SPLITS: tl.constexpr, BR: tl.constexpr, BM: tl.constexpr, COUNTED: tl.constexpr, PDL: tl.constexpr):
-    """Program (block of BR of the count = Hkv x R folded rows): OUT = the rows ``_merged``, stored as
-    ``_attention_kernel`` stores. COUNTED: a row's item (its block of BM rows, its K/V head) has PARTS[item]
-    parts (``_shared_kernel``), the rest of the SPLITS are not written; else every split is."""
+    """Program (block of BR of the count = Hkv x R folded rows): OUT = the splits' PARTIAL sums, each
+    weighted by exp(its max - the largest max), over the same weighting of their STATS sums, stored
+    as ``_attention_kernel`` stores. The splits' loops are unrolled, so their loads are in flight
+    together: a decode step's merge is a few rows, where one dependent load after another would be
+    its whole cost. COUNTED: a row's item (its block of BM rows, its K/V head) has PARTS[item] parts
+    (``_shared_kernel``), the rest of the SPLITS are not written; else every split is."""
     wait_for_inputs(PDL)
     r = tl.program_id(0) * BR + tl.arange(0, BR)
+    d = tl.arange(0, D)
     in_rows = r < count
     head = r // rows
     if COUNTED:
         parts = tl.load(PARTS + (r - head * rows) // BM * (count // rows) + head, mask=in_rows, other=0)
     else:
         parts = tl.full((BR,), SPLITS, dtype=tl.int32)
-    acc, total = _merged(PARTIAL, STATS, r, in_rows, parts, count, D, SPLITS)
+    top = tl.full((BR,), float("-inf"), dtype=tl.float32)
+    for split in tl.static_range(SPLITS):
+        here = in_rows & (split < parts)
+        top = tl.maximum(top, tl.load(STATS + (split * count + r) * 2, mask=here, other=float("-inf")))
+    top = tl.where(in_rows, top, 0.0)  # rows past count: finite, not stored
+    acc = tl.zeros((BR, D), dtype=tl.float32)
+    total = tl.zeros((BR,), dtype=tl.float32)
+    for split in tl.static_range(SPLITS):
+        at = split * count + r
+        here = in_rows & (split < parts)
+        weight = tl.exp(tl.load(STATS + at * 2, mask=here, other=float("-inf")) - top)  # read no key, or no part: 0
+        total += weight * tl.load(STATS + at * 2 + 1, mask=here, other=0.0)
+        acc += weight[:, None] * tl.load(PARTIAL + at[:, None] * D + d[None, :], mask=here[:, None], other=0.0)
+    total = tl.where(in_rows, total, 1.0)
     at = _out_rows(head, r - head * rows, nodes, out_head, out_group, out_node)
-    tl.store(OUT + at[:, None] + tl.arange(0, D)[None, :], (acc / total[:, None]).to(OUT.dtype.element_ty),
-             mask=in_rows[:, None])
+    tl.store(OUT + at[:, None] + d[None, :], (acc / total[:, None]).to(OUT.dtype.element_ty), mask=in_rows[:, None])
 
 
 # whole K/V tiles by TMA on GPUs that have it (compute capability 9 on), where the buffer's strides allow:
@@ -330,11 +307,6 @@ def _descriptors(key: torch.Tensor, value: torch.Tensor, keys: int, rows: int):
 
 # partial sums a program of the merge holds per split ([rows, D]), and the fewest rows it takes
 MERGE_ELEMENTS, MERGE_MIN_ROWS = 1024, 2
-# key splits merged by the last split of each (row block, K/V head) to arrive, in the attention kernel itself
-# (the same arithmetic as ``_merge_kernel``'s, so the same bits), instead of by that kernel launched after it:
-# one kernel fewer a layer in every pass that splits its keys (a decode step's, a verify pass's). Off until
-# timed (``benchmarks/attention_kernels.py --merge``); the shared form keeps the merge kernel.
-MERGE_BY_LAST = False
 
 # (device, head size, pass rows' class: ``kernels.row_block``) -> the first of TILES that fit its
 # shared memory, or None: none did (SDPA then)
@@ -497,7 +469,6 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
         resident = resident_programs(query.device, block_rows, keys, stages, dim) * sms
         sharers, key_splits = division(blocks, heads, rows, resident, sms, splits, programs, bool(shared))
         partial = stats = parts = out
-        arrived = None
         if key_splits > 1:
             partial = torch.empty(key_splits, heads, rows, dim, dtype=torch.float32, device=query.device)
             stats = torch.empty(key_splits, heads, rows, 2, dtype=torch.float32, device=query.device)
@@ -513,12 +484,9 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
                     mask.stride(0), scale, layout[0], MOST_PARTS=key_splits,
                     SEGMENTS=-(-blocks * heads // sharers) + 1, **common)
             else:
-                if key_splits > 1 and MERGE_BY_LAST:
-                    arrived = arrival_counts("attention", query.device, blocks * heads)
                 _attention_kernel[(blocks, heads, key_splits)](
-                    *inputs, out, partial, stats, arrived if arrived is not None else out, rows, slots.shape[0] - 1,
-                    key.stride(0), key.stride(1), mask.stride(0), scale, *layout, SPLITS=key_splits,
-                    LAST_MERGES=arrived is not None, **common)
+                    *inputs, out, partial, stats, rows, slots.shape[0] - 1, key.stride(0), key.stride(1),
+                    mask.stride(0), scale, *layout, SPLITS=key_splits, **common)
         except OutOfResources:  # raised when compiling, before any launch: the next tiles
             continue
         _CHOSEN[chosen] = tiles
@@ -526,8 +494,7 @@ def attend_until(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     else:
         _CHOSEN[chosen] = None
         return None
-    if key_splits > 1 and (sharers is not None or arrived is None):
-        # rows per program: enough programs for every multiprocessor, up to MERGE_ELEMENTS
+    if key_splits > 1:  # rows per program: enough programs for every multiprocessor, up to MERGE_ELEMENTS
         count = heads * rows
         merge_rows = max(MERGE_MIN_ROWS, min(MERGE_ELEMENTS // dim, triton.next_power_of_2(triton.cdiv(count, sms))))
         _merge_kernel[(triton.cdiv(count, merge_rows),)](partial, stats, parts, out, count, rows, *layout, D=dim,

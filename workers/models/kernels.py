@@ -7,8 +7,6 @@ from __future__ import annotations
 import contextlib
 import functools
 
-import torch
-
 # ``attention_triton``: the most query rows per program, and the most splits of the keys (which it
 # makes with at most 4 programs a multiprocessor in all, ``split_count``; their partial sums are
 # float32 [splits, Hkv, R, D], so under 4 x multiprocessors x ROW_BLOCK rows of D)
@@ -55,23 +53,3 @@ def dependent_launches(on: bool = True):
 
 def dependent_launches_on() -> bool:
     return _dependent_launches
-
-
-# (owner, device) -> int32 counts of the parts arrived per output tile, kept at 0 between calls (the last
-# part to arrive merges the tile and resets its count). Made outside a graph capture, so that a captured pass
-# and eager calls share them. Each owner's kernels run one at a time per device (a pass's layers in order;
-# the commit that runs beside the next draft takes neither a product of few rows nor attention), so one
-# buffer per owner serves all its calls.
-MOST_TILES = 1 << 14
-_ARRIVED: dict[tuple[str, str], torch.Tensor] = {}
-
-
-def arrival_counts(owner: str, device: torch.device, tiles: int) -> torch.Tensor | None:
-    """``owner``'s counts on this device, or None (no merge by the last part then): more tiles than
-    MOST_TILES, or first asked for inside a graph capture (an allocation there would belong to that graph's
-    memory pool)."""
-    counts = _ARRIVED.get((owner, str(device)))
-    if counts is None and tiles <= MOST_TILES and not (
-            device.type == "cuda" and torch.cuda.is_current_stream_capturing()):  # asked only until they exist
-        counts = _ARRIVED[(owner, str(device))] = torch.zeros(MOST_TILES, dtype=torch.int32, device=device)
-    return counts if tiles <= MOST_TILES else None

@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from workers.models.kernels import arrival_counts
 from workers.models.pdl_triton import launch_options, wait_for_inputs
 
 MOST_ROWS = 16
@@ -65,6 +64,22 @@ def split_count(rows: int, inner: int, step: int, add: bool) -> int:
     if rows != 1 or not add:
         return 1
     return next((count for count in (SUMMED_SPLITS, 2) if inner % (count * step) == 0), 1)
+
+
+# (device) -> int32 counts of the splits arrived per output tile, kept at 0 between calls (the last split
+# resets its tile's); made outside a graph capture, so that a captured pass and eager calls share them
+MOST_TILES = 1 << 14
+_ARRIVED: dict[str, torch.Tensor] = {}
+
+
+def arrival_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The device's split counts, or None (no split then): more tiles than MOST_TILES, or first asked
+    for inside a graph capture (an allocation there would belong to that graph's memory pool)."""
+    counts = _ARRIVED.get(str(device))
+    if counts is None and tiles <= MOST_TILES and not (
+            device.type == "cuda" and torch.cuda.is_current_stream_capturing()):  # asked only until they exist
+        counts = _ARRIVED[str(device)] = torch.zeros(MOST_TILES, dtype=torch.int32, device=device)
+    return counts if tiles <= MOST_TILES else None
 
 
 def tile_class(rows: int, inner: int, width: int = 0, add: bool = False) -> str:
@@ -185,7 +200,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
         count = splits or split_count(rows, inner, block_k, add)
         if inner % (count * block_k):
             raise ValueError(f"skinny_linear: {count} splits of K = {inner} in steps of {block_k}")
-        arrived = arrival_counts("products", x.device, tile_count) if count > 1 else None
+        arrived = arrival_counts(x.device, tile_count) if count > 1 else None
         if arrived is None:
             count = 1
         work = (torch.empty(count, 1 if rows == 1 else 16, width, dtype=torch.float32, device=x.device)

@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from workers.models.kernels import arrival_counts
 from workers.models.pdl_triton import launch_options, wait_for_inputs
+from workers.models.skinny_triton import arrival_counts
 
 FEWEST_ROWS, MOST_ROWS = 256, 272  # a 256-node tree with or without its root (B = 255 or 256), up to a tail
 TAIL = 16  # rows the last block takes beside its BM (the tensor cores' narrowest product)
@@ -185,7 +185,7 @@ def wide_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     count = splits or split_count(tile_count * blocks, steps, x.device)
     if not 1 <= count <= steps:
         raise ValueError(f"wide_linear: {count} splits of {steps} steps of K")
-    arrived = arrival_counts("products", x.device, tile_count * blocks) if count > 1 else None
+    arrived = arrival_counts(x.device, tile_count * blocks) if count > 1 else None
     if arrived is None:
         count = 1
     work = torch.empty(count, rows, width, dtype=torch.float32, device=x.device) if count > 1 else out

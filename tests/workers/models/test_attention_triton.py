@@ -62,20 +62,6 @@ def test_triton_attention_equals_sdpa_and_stops_at_the_last_slot(dtype, heads, g
         shared = attend_folded(query, key, value, mask, dim**-0.5, slots=slots, nodes=q, ends=ends).float()
     torch.testing.assert_close(shared, by_node, atol=2e-2, rtol=2e-2)
     assert ((shared - by_node).norm() / by_node.norm()).item() < 5e-3
-    # the splits merged by the last to arrive, inside the kernel: the merge kernel's bits, eager and replayed
-    monkeypatch.setattr(attention_triton, "MERGE_BY_LAST", True)
-    for splits in (None, 3):
-        assert torch.equal(attend_until(query, key, value, mask, slots, dim**-0.5, splits=splits).float(),
-                           results[splits])
-    merged_by_last = attend_folded(query, key, value, mask, dim**-0.5, slots=slots, nodes=q, ends=ends)
-    assert torch.equal(merged_by_last.float(), bounded)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = attend_folded(query, key, value, mask, dim**-0.5, slots=slots, nodes=q, ends=ends)
-    for _ in range(3):
-        replayed.zero_()
-        graph.replay()
-        assert torch.equal(replayed.float(), bounded)
 
 
 @pytest.mark.parametrize(("heads", "groups", "dim"), [(8, 4, 128), (4, 6, 256)])

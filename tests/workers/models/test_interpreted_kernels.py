@@ -197,35 +197,6 @@ def test_the_attention_kernel_equals_the_torch_attention(heads, groups, q, capac
 
 
 @pytest.mark.parametrize(("heads", "groups", "q", "capacity", "length", "dim", "causal"),
-                         [(2, 3, 30, 200, 100, 32, False), (1, 4, 129, 1300, 1024, 32, False),
-                          (2, 2, 1, 300, 200, 32, False), (1, 2, 160, 300, 0, 32, True)])
-@torch.inference_mode()
-def test_the_last_split_to_arrive_merges_as_the_merge_kernel(heads, groups, q, capacity, length, dim, causal,
-                                                             monkeypatch):
-    """With ``MERGE_BY_LAST`` the last of each (row block, K/V head)'s key splits to arrive merges its rows
-    inside the attention kernel: the merge kernel's output bit for bit, at 2, 3 and 8 splits, plain, in
-    o_proj's layout and with each node's ``ends``, twice in a row (the counts must be back at 0). Before each
-    such call a call on other queries leaves its partial sums where the next call's go (the allocator hands
-    the same memory back), so a merge that read a part before it was written would show."""
-    from workers.models import attention_triton, kernels
-    from workers.models.attention_triton import attend_until
-
-    (query, key, value, mask, slots, ends), want, _ = attention_case(heads, groups, q, capacity, length, dim, causal)
-    others = -query.flip(1)
-    for splits in (2, 3, 8):
-        calls = [dict(), dict(nodes=q), dict(nodes=q, ends=ends)]
-        by_kernel = [attend_until(query, key, value, mask, slots, dim**-0.5, splits, **call) for call in calls]
-        for _ in range(2):
-            for call, expected in zip(calls, by_kernel, strict=True):
-                attend_until(others, key, value, mask, slots, dim**-0.5, splits, **call)
-                monkeypatch.setattr(attention_triton, "MERGE_BY_LAST", True)
-                assert torch.equal(attend_until(query, key, value, mask, slots, dim**-0.5, splits, **call), expected)
-                monkeypatch.setattr(attention_triton, "MERGE_BY_LAST", False)
-            assert not kernels._ARRIVED[("attention", "cpu")].any()
-        assert relative(by_kernel[0], want) < 2e-3
-
-
-@pytest.mark.parametrize(("heads", "groups", "q", "capacity", "length", "dim", "causal"),
                          [(2, 3, 30, 200, 100, 32, False), (2, 1, 257, 700, 0, 16, False),
                           (1, 2, 160, 300, 0, 32, True)])
 @pytest.mark.parametrize("by_descriptor", [True, False])
@@ -636,7 +607,7 @@ def test_the_few_rows_product_split_along_k_equals_the_matrix_product(dtype, row
     the last split to arrive adding them in order into the output, then zeroing its tile's count):
     plain and summed into a residual, 2 and 4 splits, twice in a row (the counts must be back at 0);
     and a split count that does not divide K into whole steps refused by name."""
-    from workers.models import kernels
+    from workers.models import skinny_triton
     from workers.models.skinny_triton import skinny_linear
 
     g = torch.Generator().manual_seed(10 + rows)
@@ -652,7 +623,7 @@ def test_the_few_rows_product_split_along_k_equals_the_matrix_product(dtype, row
             want = residual.clone().addmm_(x, weight.t())
             assert skinny_linear(x, weight, out=residual, tiles=tiles, splits=splits) is residual
             torch.testing.assert_close(residual, want, **tolerance)
-            assert not kernels._ARRIVED[("products", "cpu")].any()
+            assert not skinny_triton._ARRIVED["cpu"].any()
     with pytest.raises(ValueError, match="8 splits of K = 1024"):
         skinny_linear(x, weight, tiles=tiles, splits=8)
 
@@ -665,7 +636,7 @@ def test_the_wide_product_kernel_equals_the_matrix_product(dtype, rows, splits):
     ``addmm_``, over 100 weight rows (not a multiple of the tile's): whole blocks (64), a tail (70), a
     block masked (90), an uneven split of the steps (3 of 8), twice in a row (the counts back at 0);
     and splits past the steps refused by name."""
-    from workers.models import kernels
+    from workers.models import skinny_triton
     from workers.models.wide_triton import blocks_of, wide_linear
 
     g = torch.Generator().manual_seed(rows + splits)
@@ -682,7 +653,7 @@ def test_the_wide_product_kernel_equals_the_matrix_product(dtype, rows, splits):
         assert wide_linear(x, weight, out=residual, tiles=tiles, splits=splits) is residual
         torch.testing.assert_close(residual, want, **tolerance)
         if splits > 1:
-            assert not kernels._ARRIVED[("products", "cpu")].any()
+            assert not skinny_triton._ARRIVED["cpu"].any()
     with pytest.raises(ValueError, match="9 splits of 8 steps"):
         wide_linear(x, weight, tiles=tiles, splits=9)
 
