@@ -52,6 +52,7 @@ TREE_WARPS = 4
 # run on a GPU (twenty-eighth session: none could be started for them): they join FORM_CHOICES once timed
 # (``bash benchmarks/h200_switches.sh stages``).
 TREE_FORM: tuple[int, int, int] | None = None
+ROOT_STEP = tl.constexpr(32)  # the root's program sums over dk in this step in every form (``_root_outputs``)
 FORM_CHOICES = ((32, 3, 1), (32, 2, 1), (64, 2, 1))
 PAIRED_FORMS = ((32, 3, 2), (32, 2, 2))
 FORM_MARGIN = 0.03
@@ -89,8 +90,8 @@ def _tree_block_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     if b == root_program:
-        _root_outputs(KQ, V, STATE, LOG_GATE, BETA, OUT, Z, NORM_W, h, nodes, eps, HEADS, REPEAT, DK, DV, BK,
-                      NORMED)
+        _root_outputs(KQ, V, STATE, LOG_GATE, BETA, OUT, Z, NORM_W, h, nodes, eps, HEADS, REPEAT, DK, DV,
+                      min(DK, ROOT_STEP), NORMED)
     elif PAIRS:
         _block_pair_outputs(KQ, V, STATE, LOG_GATE, BETA, SLOTS, MASK, OUT, Z, NORM_W, b, h, nodes, z_stride, eps,
                             count, HEADS, REPEAT, DK, DV, CONTEXT, BLOCK, BK, FACTORS, PRECISION, NORMED)
@@ -103,7 +104,8 @@ def _tree_block_kernel(
 def _root_outputs(KQ, V, STATE, LOG_GATE, BETA, OUT, Z, NORM_W, h, nodes, eps, HEADS: tl.constexpr,
                   REPEAT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, NORMED: tl.constexpr):
     """The root's (node 0's) output for head h. Its path is itself, so the block form's sums hold one
-    term: out = (exp(g) q - c k) S0 + a v with a = beta q.k and c = a exp(g); float32 products."""
+    term: out = (exp(g) q - c k) S0 + a v with a = beta q.k and c = a exp(g); float32 products, summed over
+    dk in steps of BK = ROOT_STEP whatever the form's step (a sum's order, so its bits, follows the step)."""
     d = tl.arange(0, DK)
     cols = tl.arange(0, DV)
     kq = KQ + (h // REPEAT) * 2 * nodes * DK
