@@ -40,17 +40,18 @@ TREE_WARPS = 4
 # The tree kernel's form: (its step along dk in the products with the committed state, the stages of its
 # software pipeline over those steps: each step's slices of the state, keys and queries loaded that many
 # steps ahead, 3 being Triton's default; the blocks a program takes, 1 or 2: with 2 each slice of the state
-# is read once for two blocks). Every form gives the same bits (a product's sum runs in the same order
-# whatever the step, and each block's arithmetic is the same alone or paired). At (32, 3, 1) a bfloat16
-# model's program takes 48 KB of shared memory, so an sm_86 or sm_89 SM (an RTX A6000's: 100 KB) holds 2; at
-# (32, 2, 1) 32 KB and 3 fit, registers allowing; at (64, 2, 1) 50 KB, one on sm_86 and 3 on sm_90; paired
-# blocks take ~206 registers, 2 programs on sm_90 (``benchmarks/kernel_resources.py``). On an H100 a 27B
-# layer at 257 nodes took 31.9 / 31.8 / 30.2 us in the first three forms (``benchmarks/gdn_kernels.py
-# --configs``). By default (None) each tree-pass shape takes its form on trial on the GPU at hand
-# (``chosen_form``): the first of FORM_CHOICES unless another gives the same bits and is FORM_MARGIN faster.
-# A (step, stages, blocks) forces one. PAIRED_FORMS are built and exact in Triton's interpreter but have not
-# run on a GPU (twenty-eighth session: none could be started for them): they join FORM_CHOICES once timed
-# (``bash benchmarks/h200_switches.sh stages``).
+# is read once for two blocks). Every form gives the same bits: a block's products chain their sums through
+# one accumulator whatever the step, each block's arithmetic is the same alone or paired, and the root's
+# program sums in steps of ROOT_STEP in every form (with the form's step, 64 changed the last place of most
+# of the root's outputs on an H100; with it, every form gave the same bits at 17-1025 nodes). At (32, 3, 1)
+# a bfloat16 model's program takes 48 KB of shared memory, so an sm_86 or sm_89 SM (an RTX A6000's: 100 KB)
+# holds 2; at (32, 2, 1) 32 KB and 3 fit, registers allowing; at (64, 2, 1) 50 KB, one on sm_86 and 3 on
+# sm_90; paired blocks take ~206 registers, 2 programs on sm_90 (``benchmarks/kernel_resources.py``). On an
+# H100 a 27B layer at 257 nodes took 32.1 / 30.5 us in (32, 3, 1) and (64, 2, 1), 38.2 / 38.4 paired
+# (``benchmarks/gdn_kernels.py --configs``). By default (None) each tree-pass shape takes its form on trial
+# on the GPU at hand (``chosen_form``): the first of FORM_CHOICES unless another gives the same bits and is
+# FORM_MARGIN faster. A (step, stages, blocks) forces one. PAIRED_FORMS were slower at every width timed
+# (17-1025 nodes, twenty-ninth session), so they stay out of the trial; an RTX A6000 has not timed them.
 TREE_FORM: tuple[int, int, int] | None = None
 ROOT_STEP = tl.constexpr(32)  # the root's program sums over dk in this step in every form (``_root_outputs``)
 FORM_CHOICES = ((32, 3, 1), (32, 2, 1), (64, 2, 1))
