@@ -10,8 +10,9 @@ against it (relative error of all outputs), all in the first of ``gdn_triton.FOR
 
 ``--configs 32/3/4,64/2/4,32/3/4/2,...`` times instead the kernel as a bfloat16 model's pass runs it (tf32,
 the gated norm in its epilogue, bfloat16 rows out) at each (step along dk, pipeline stages, warps[, blocks a
-program, 1 unless given]), the first being the base: us a call, and how far each one's outputs lie from
-the base's (max abs; 0 = the same bits). The forms (``gdn_triton.TREE_FORM``) are (step, stages, blocks):
+program, 1 unless given]), the first being the base: us a call, and how far each one's float32 outputs
+(the same pass without the norm) lie from the base's (max abs; 0 = the same bits; the bfloat16 rows after the
+norm hide most last-place differences). The forms (``gdn_triton.TREE_FORM``) are (step, stages, blocks):
 on an RTX A6000 (32, 2, 1) lets 3 programs share an SM instead of 2, and (64, 2, 1) only one.
 """
 
@@ -63,7 +64,7 @@ def time_configs(args: argparse.Namespace) -> int:
                      shape["linear_value_head_dim"])
     configs = [(tuple(int(n) for n in c.split("/")) + (1,))[:4] for c in args.configs.split(",")]
     print(f"{args.shape}: one GDN layer's tree kernel, bfloat16 form (tf32, gated norm); us a call, median of "
-          f"{ROUNDS} rounds in turn; vs base = max abs difference from {configs[0]}'s outputs")
+          f"{ROUNDS} rounds in turn; vs base = max abs difference from {configs[0]}'s float32 outputs (no norm)")
     print(f"{'q':>5} " + " ".join(f"{'/'.join(map(str, c)):>10} {'vs base':>8}" for c in configs))
     for q in (int(n) for n in args.qs.split(",")):
         ancestors, kq, v_, g, beta, state = layer_inputs(q, hk, h, dk, dv)
@@ -77,7 +78,9 @@ def time_configs(args: argparse.Namespace) -> int:
                 kq, v_, g, beta, state, ancestors, blocks, model_dtype=torch.bfloat16, num_warps=warps, norm=norm,
                 form=form))
             try:
-                outputs[config] = call()
+                call()
+                outputs[config] = tree_outputs(kq, v_, g, beta, state, ancestors, blocks, model_dtype=torch.bfloat16,
+                                               num_warps=warps, form=(step, stages, blocks_each))
                 replay_us(call, calls=2, reps=1)
                 calls[config] = call
             except Exception as error:  # a config that does not fit this GPU (shared memory, registers)
