@@ -37,9 +37,10 @@
 #   bash benchmarks/h200_switches.sh beside      # 8B rounds with the commit in line / beside the draft [330 s]
 #   bash benchmarks/h200_switches.sh suite       # every GPU test of tests/workers, then the kernels' resources [520 s]
 #   bash benchmarks/h200_switches.sh first       # benchmarks/first_draft.py: 8B, then $SHAPE or 27B [400 s]
-# Triton's compiled kernels outlive the machine: a call unpacks .device-cache/triton.tar.xz (if carried)
-# into a fixed folder (the cache records absolute paths) and leaves the grown cache in
-# $OUT/triton.tar.xz; copy that back to .device-cache/ before the next call, so it compiles nothing twice.
+# Triton's compiled kernels outlive the machine: a call unpacks .device-cache/triton.tar.xz.part-* (if
+# carried; or an older call's single triton.tar.xz) into a fixed folder (the cache records absolute paths)
+# and leaves the grown cache in $OUT/triton.tar.xz.part-* (15 MB each: a file over 16 MiB does not come back);
+# copy those back to .device-cache/ (replacing what is there) before the next call, so it compiles nothing twice.
 set -euo pipefail
 usage="usage: bash benchmarks/h200_switches.sh wheels | MODE... (tests, commit, kernel, ab SHAPE, goals, profile, tree, stages, beside, suite, first)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
@@ -146,12 +147,17 @@ done
 
 cache=/tmp/h200-switches-triton
 mkdir -p "$cache" /tmp/site
-if [ -f .device-cache/triton.tar.xz ]; then tar xJf .device-cache/triton.tar.xz -C "$cache"; fi
+if compgen -G ".device-cache/triton.tar.xz.part-*" >/dev/null; then
+  cat .device-cache/triton.tar.xz.part-* | tar xJf - -C "$cache"
+elif [ -f .device-cache/triton.tar.xz ]; then  # an older call's cache in one file
+  tar xJf .device-cache/triton.tar.xz -C "$cache"
+fi
 save_cache() {  # the IR beside each cubin is not needed to load it: only the cubin and its metadata travel
   if [ -n "${OUT:-}" ]; then
     find "$cache" -type f \( -name '*.ttir' -o -name '*.ttgir' -o -name '*.llir' -o -name '*.ptx' \
       -o -name '*.source' \) -delete
-    tar cJf "$OUT/triton.tar.xz" -C "$cache" . && du -h "$OUT/triton.tar.xz"
+    # in parts of 15 MB: a file over 16 MiB does not come back from the device
+    tar cJf - -C "$cache" . | split -b 15M - "$OUT/triton.tar.xz.part-" && du -ch "$OUT"/triton.tar.xz.part-* | tail -1
   fi
 }
 trap save_cache EXIT
