@@ -14,10 +14,6 @@ program, 1 unless given]), the first being the base: us a call, and how far each
 (the same pass without the norm) lie from the base's (max abs; 0 = the same bits; the bfloat16 rows after the
 norm hide most last-place differences). The forms (``gdn_triton.TREE_FORM``) are (step, stages, blocks):
 on an RTX A6000 (32, 2, 1) lets 3 programs share an SM instead of 2, and (64, 2, 1) only one.
-
-``--values`` times the conv prologue and the tree kernel (bfloat16 form, the form a trial would start from)
-with v in float32 and in bfloat16 (``prologue(value_dtype=...)``: what a tree pass of a bfloat16 model
-writes and reads now), in turn, and checks that both give the same bits.
 """
 
 from __future__ import annotations
@@ -29,8 +25,8 @@ import torch
 from forward_anatomy import graphed, replay_us
 from gpu_speed import median_ms
 
-from workers.models.gdn import ancestor_table, conv_lag_index, tree_delta_rule_normalized
-from workers.models.gdn_triton import FORM_CHOICES, prologue, tree_outputs
+from workers.models.gdn import ancestor_table, tree_delta_rule_normalized
+from workers.models.gdn_triton import FORM_CHOICES, tree_outputs
 from workers.models.shapes import TARGETS
 from workers.models.tree_blocks import tree_blocks
 
@@ -106,45 +102,6 @@ def time_configs(args: argparse.Namespace) -> int:
     return 0
 
 
-def time_values(args: argparse.Namespace) -> int:
-    """The prologue and the tree kernel with v in float32 and in bfloat16, rounds in turn; the same bits."""
-    shape = TARGETS[args.shape]
-    hk, h, d, taps = (shape["linear_num_key_heads"], shape["linear_num_value_heads"], shape["linear_key_head_dim"],
-                      shape["linear_conv_kernel_dim"])
-    bf16, channels = torch.bfloat16, (2 * hk + h) * d
-    print(f"{args.shape}: one GDN layer's conv prologue and tree kernel (bfloat16 form, gated norm, form "
-          f"{FORM_CHOICES[0]}) with v in float32 / bfloat16; us a call, median of {ROUNDS} rounds in turn")
-    print(f"{'q':>5} {'prologue f32':>13} {'bf16':>7} {'tree f32 v':>11} {'bf16 v':>7} {'same bits':>10}")
-    for q in (int(n) for n in args.qs.split(",")):
-        ancestors, kq, _, g, beta, state = layer_inputs(q, hk, h, d, d)
-        parents = torch.where(ancestors[:, 1] < q, ancestors[:, 1], -1)  # the table's sentinel past the root: q
-        lag_index = conv_lag_index(parents, taps - 1)
-        # the fused projection's rows: [conv inputs | z | b | a], so the conv inputs' rows are strided
-        projected = torch.randn(q, channels + h * d + 2 * h, device="cuda", dtype=bf16)
-        inputs, b, a = projected[:, :channels], projected[:, -2 * h : -h], projected[:, -h:]
-        window = torch.randn(taps - 1, channels, device="cuda", dtype=bf16)
-        weight = torch.randn(channels, taps, device="cuda", dtype=bf16)
-        extended = torch.empty(taps - 1 + q, channels, device="cuda", dtype=bf16)
-        gates = (b, a, torch.randn(h, device="cuda"), torch.randn(h, device="cuda"))
-        prologues = {dtype: (lambda dtype=dtype: prologue(window, inputs, lag_index, weight, None, hk, h, d, extended,
-                                                          gates, value_dtype=dtype)) for dtype in (torch.float32, bf16)}
-        values = {dtype: call().v for dtype, call in prologues.items()}
-        blocks = tree_blocks(ancestors)
-        norm = (torch.randn(q, h * d, device="cuda", dtype=bf16), torch.rand(d, device="cuda", dtype=bf16) + 0.5, 1e-6)
-        trees = {dtype: (lambda v_=v_: tree_outputs(kq, v_, g, beta, state, ancestors, blocks, model_dtype=bf16,
-                                                     norm=norm, form=FORM_CHOICES[0])) for dtype, v_ in values.items()}
-        same = (torch.equal(values[bf16].float(), values[torch.float32])
-                and torch.equal(trees[bf16](), trees[torch.float32]()))
-        calls = [*prologues.values(), *trees.values()]
-        times = [[] for _ in calls]
-        for _ in range(ROUNDS):
-            for i, call in enumerate(calls):
-                times[i].append(replay_us(call))
-        p32, p16, t32, t16 = (statistics.median(t) for t in times)
-        print(f"{q:>5} {p32:>13.1f} {p16:>7.1f} {t32:>11.1f} {t16:>7.1f} {'yes' if same else 'NO':>10}")
-    return 0
-
-
 @torch.inference_mode()
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -152,11 +109,7 @@ def main() -> int:
     parser.add_argument("--configs", default="",
                         help="step/stages/warps[/blocks],... of the bfloat16 form, the first the base")
     parser.add_argument("--qs", default="17,65,257,1025")
-    parser.add_argument("--values", action="store_true",
-                        help="the prologue and the tree kernel with v in float32 and in bfloat16")
     args = parser.parse_args()
-    if args.values:
-        return time_values(args)
     if args.configs:
         return time_configs(args)
     shape = TARGETS[args.shape]

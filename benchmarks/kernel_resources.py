@@ -130,13 +130,11 @@ def gdn_launches(shape: dict, parents: torch.Tensor) -> list[Launch]:
     lag = gdn.conv_lag_index(parents, taps - 1)
     inputs = torch.zeros(q, channels, dtype=bf16)
     gates = (torch.zeros(q, h, dtype=bf16), torch.zeros(q, h, dtype=bf16), torch.zeros(h), torch.zeros(h))
-    # v in float32 for AR's step and prompt chunks, in the model dtype for tree passes (``GDNLayer``)
-    for value_dtype, label in ((f32, ""), (bf16, ", v in bf16 (trees)")):
-        with recording(gdn_triton, "_prologue_kernel", f"GDN prologue (conv, norms, gates){label}", out):
-            gdn_triton.prologue(torch.zeros(taps - 1, channels, dtype=bf16), inputs, lag,
-                                torch.zeros(channels, taps, dtype=bf16), None, hk, h, d,
-                                torch.empty(taps - 1 + q, channels, dtype=bf16), gates, value_dtype=value_dtype)
-    kq = torch.zeros(hk, 2, q, d)
+    with recording(gdn_triton, "_prologue_kernel", "GDN prologue (conv, norms, gates)", out):
+        gdn_triton.prologue(torch.zeros(taps - 1, channels, dtype=bf16), inputs, lag,
+                            torch.zeros(channels, taps, dtype=bf16), None, hk, h, d,
+                            torch.empty(taps - 1 + q, channels, dtype=bf16), gates)
+    kq, v_ = torch.zeros(hk, 2, q, d), torch.zeros(h, q, d)
     g, beta, state = torch.zeros(q, h), torch.zeros(q, h, dtype=bf16), torch.zeros(h, d, d)
     # as a bfloat16 model runs them in every form, paired blocks too (``gdn_triton.TREE_FORM``), and a float32 model
     runs = ([(bf16, "tf32", form) for form in gdn_triton.FORM_CHOICES + gdn_triton.PAIRED_FORMS]
@@ -145,8 +143,7 @@ def gdn_launches(shape: dict, parents: torch.Tensor) -> list[Launch]:
         norm = (torch.zeros(q, h * d, dtype=dtype), torch.zeros(d, dtype=dtype), 1e-6)
         label = f"GDN tree blocks + gated norm ({precision}, {gdn_triton.form_name(form)})"
         with recording(gdn_triton, "_tree_block_kernel", label, out):
-            gdn_triton.tree_outputs(kq, torch.zeros(h, q, d, dtype=dtype), g, beta, state, ancestors, model_dtype=dtype,
-                                    norm=norm, form=form)
+            gdn_triton.tree_outputs(kq, v_, g, beta, state, ancestors, model_dtype=dtype, norm=norm, form=form)
     with recording(gdn_triton, "_gated_norm_kernel", "GDN gated norm (chains)", out):
         gdn_triton.gated_norm(torch.zeros(q, h, d), torch.zeros(q, h * d, dtype=bf16), torch.zeros(d, dtype=bf16),
                               1e-6, bf16)

@@ -142,17 +142,13 @@ class GDNLayer:
         # cat(window, inputs), as the commit replays from it: written by the prologue, not concatenated
         extended = torch.empty(self.window + q, self.conv_dim, dtype=conv_inputs.dtype, device=conv_inputs.device)
         key_heads, heads = mixer.num_k_heads, mixer.num_v_heads
-        recurrent = commit and q <= MAX_PATH  # a few tokens kept whole (AR's one): the recurrence, state in registers
-        chunked = not recurrent and (shape.ancestors is None or commit)  # a long chain (prompt chunks)
-        # the tree kernel reads v in the model dtype (exact, half the bytes); the chunked forms take float32
         kq, v_, beta, log_gate = prologue(conv_window, conv_inputs, shape.lag_index, mixer.conv1d.weight[:, 0, :],
                                           mixer.conv1d.bias, key_heads, heads, mixer.head_k_dim, extended,
-                                          (b, a, mixer.A_log, mixer.dt_bias),
-                                          value_dtype=torch.float32 if recurrent or chunked else conv_inputs.dtype)
+                                          (b, a, mixer.A_log, mixer.dt_bias))
         pending = normed = None
-        if recurrent:
+        if commit and q <= MAX_PATH:  # a few tokens kept whole (AR's one): the recurrence, state in registers
             out = advance_state(kq[:, 0], kq[:, 1], v_, log_gate, beta, state)
-        elif chunked:
+        elif shape.ancestors is None or commit:  # a long chain (prompt chunks): the chunked form
             if hidden.dtype != torch.float32 and (fla_rule := fla_chunk_rule()) is not None:
                 out = _fla_chunked(fla_rule, kq, v_, log_gate, beta, state, commit)
             else:  # float32 (exact to rounding against the CPU path) or fla-core not installed

@@ -112,7 +112,7 @@ def _root_outputs(KQ, V, STATE, LOG_GATE, BETA, OUT, Z, NORM_W, h, nodes, eps, H
     kq = KQ + (h // REPEAT) * 2 * nodes * DK
     decay = tl.exp(tl.load(LOG_GATE + h))
     a = tl.load(BETA + h).to(tl.float32) * tl.sum(tl.load(kq + nodes * DK + d) * tl.load(kq + d))
-    out = a * tl.load(V + h * nodes * DV + cols).to(tl.float32)  # [DV]
+    out = a * tl.load(V + h * nodes * DV + cols)  # [DV]
     for step in range(0, DK, BK):
         ds = step + tl.arange(0, BK)
         state = tl.load(STATE + h * DK * DV + ds[:, None] * DV + cols[None, :])  # [BK, DV]
@@ -220,7 +220,6 @@ def _block_solve(KQ, V, LOG_GATE, BETA, SLOTS, MASK, b, h, nodes, HEADS: tl.cons
     a = w * beta[None, :]  # [BLOCK, S]
     c = a * tl.exp(G)[None, :]
     values = tl.load(V + (h * nodes + row[:, None]) * DV + cols[None, :], mask=valid[:, None], other=0.0)
-    values = values.to(tl.float32)  # V float32 or bf16 (the same values: tf32 holds a bf16 exactly)
     out = tl.dot(a, values, input_precision=PRECISION)  # [BLOCK, DV]
     return out, c, tl.exp(G_node)[:, None], row, valid, node, is_node, node_row
 
@@ -247,7 +246,7 @@ def _block_store(OUT, Z, NORM_W, out, h, node, is_node, node_row, z_stride, eps,
 
 def tree_outputs(
     kq: torch.Tensor,  # [Hk, 2, q, dk] float32: k_, then q_ (scaled by dk^-1/2), per key head
-    v_: torch.Tensor,  # [H, q, dv] float32, or the model dtype (values it holds exactly: ``prologue``'s)
+    v_: torch.Tensor,  # [H, q, dv] float32
     log_gate: torch.Tensor,  # [q, H] float32 per-node log decay g
     beta: torch.Tensor,  # [q, H]
     state: torch.Tensor,  # [H, dk, dv] float32 committed recurrent state
@@ -357,7 +356,7 @@ class PrologueOutputs(NamedTuple):
     """What ``prologue`` writes (beta and log_gate None unless the gates were asked for)."""
 
     kq: torch.Tensor  # [Hk, 2, q, D] float32: k_ at [:, 0], q_ (scaled by D^-1/2) at [:, 1], per key head
-    v: torch.Tensor  # [H, q, D] float32, or the model dtype (``value_dtype``): the same values
+    v: torch.Tensor  # [H, q, D] float32
     beta: torch.Tensor | None  # [q, H] in b's dtype
     log_gate: torch.Tensor | None  # [q, H] float32
 
@@ -410,8 +409,7 @@ def _prologue_kernel(
         tl.store(KQ + ((hk * 2 + part) * nodes + t[:, None]) * D + d[None, :], x, mask=real[:, None])
     else:
         h = s - 2 * KEY_HEADS
-        # V in float32 or the model dtype: x holds a model-dtype value, so either is exact
-        tl.store(V + (h * nodes + t[:, None]) * D + d[None, :], x.to(V.dtype.element_ty), mask=real[:, None])
+        tl.store(V + (h * nodes + t[:, None]) * D + d[None, :], x, mask=real[:, None])
         if HAS_GATES:
             b = tl.load(B + t * b_stride + h, mask=real, other=0.0).to(tl.float32)
             tl.store(BETA + t * HEADS + h, tl.sigmoid(b).to(BETA.dtype.element_ty), mask=real)
@@ -434,18 +432,13 @@ def prologue(
     head_dim: int,
     extended: torch.Tensor | None = None,  # [K-1+q, C]: if given, receives cat(window, inputs)
     gates: tuple[torch.Tensor, ...] | None = None,  # (b [q, H], a [q, H], A_log [H], dt_bias [H]); rows may be strided
-    value_dtype: torch.dtype = torch.float32,
 ) -> PrologueOutputs:
-    """q_, k_, v as ``gdn.tree_conv`` + l2 normalisation compute them (dk = dv = D), and the gates. v is
-    the conv output rounded to the model dtype (as the torch path rounds it), so it may be stored in that
-    dtype (``value_dtype``) at no loss: half the bytes of float32 for a bfloat16 model, to write and to read."""
+    """q_, k_, v as ``gdn.tree_conv`` + l2 normalisation compute them (dk = dv = D), and the gates."""
     nodes, taps = lag_index.shape
     channels = inputs.shape[1]
     device = inputs.device
-    if value_dtype not in (torch.float32, inputs.dtype):
-        raise ValueError(f"value_dtype {value_dtype}: float32 or the inputs' {inputs.dtype} (v holds their values)")
     kq = torch.empty(key_heads, 2, nodes, head_dim, dtype=torch.float32, device=device)
-    v = torch.empty(heads, nodes, head_dim, dtype=value_dtype, device=device)
+    v = torch.empty(heads, nodes, head_dim, dtype=torch.float32, device=device)
     beta = log_gate = None
     b = a = a_log = dt_bias = weight  # placeholders the kernel does not read without gates
     if gates is not None:

@@ -382,45 +382,6 @@ def test_a_gdn_layer_through_the_kernels_equals_its_torch_path(chain, q):
         assert torch.equal(got_window, want_window)
 
 
-@pytest.mark.parametrize(("chain", "q"), [(False, 40), (False, 33), (True, 40), (True, 1)])
-@torch.inference_mode()
-def test_a_half_precision_layers_tree_pass_reads_its_values_in_the_model_dtype(chain, q, monkeypatch):
-    """The prologue stores v in the model dtype for the tree kernel (half the bytes to write and read) and
-    in float32 for the recurrent and chunked forms; v holds model-dtype values, so the layer's outputs and
-    state are the bits it gives with v in float32 (at 33 nodes the root is apart). float16: the interpreter
-    has no bfloat16."""
-    from workers.models import gdn_triton
-    from workers.models.gdn import TreeShape
-    from workers.models.gdn_layer import gdn_layer_for
-    from workers.models.shapes import build_random_target
-
-    model = build_random_target("qwen3.6-mini", torch.float16, torch.device("cpu"))
-    layer = gdn_layer_for(model.model.layers[0].linear_attn)
-    layer.kernels = True
-    g = torch.Generator().manual_seed(q)
-    hidden = torch.randn(1, q, model.config.hidden_size, generator=g).half()
-    parents = torch.arange(-1, q - 1) if chain else random_tree_parents(q, 15, g)
-    shape = TreeShape.build(parents, layer.window, chain, commits=chain).with_blocks()
-    window0 = torch.randn(layer.window, layer.conv_dim, generator=g).half()
-    state0 = torch.randn(layer.state_shape, generator=g) * 0.3
-    prologue, asked, results = gdn_triton.prologue, [], []
-
-    def as_asked(*args, value_dtype=torch.float32, **kwargs):
-        asked.append(value_dtype)
-        return prologue(*args, value_dtype=value_dtype, **kwargs)
-
-    def in_float32(*args, value_dtype=torch.float32, **kwargs):
-        return prologue(*args, value_dtype=torch.float32, **kwargs)
-
-    for stand_in in (as_asked, in_float32):
-        monkeypatch.setattr(gdn_triton, "prologue", stand_in)
-        window, state = window0.clone(), state0.clone()
-        out, _ = layer(hidden, shape, window, state, commit=chain)
-        results.append((out, state))
-    assert asked == [torch.float32 if chain else torch.float16]
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
-
-
 @pytest.mark.parametrize("form", ["replay", "chunk"])
 def test_greedy_decoding_through_the_gdn_kernels_equals_ar(tiny_hybrid_kernels, form, monkeypatch):
     """DFlash and DDTree on the float32 hybrid target with its GDN layers through the kernels (conv
