@@ -125,7 +125,8 @@ beside() {  # generation.COMMIT_BESIDE_DRAFT on the 8B shape (no GDN layers: the
 suite() {  # `make test-gpu` without its install (the device has no Ray, MLflow or Optuna): the files that hold GPU
            # tests, so none is collected that imports those
   timeout 420 python3 -m pytest -q -n 8 -m gpu -p no:cacheprovider $(grep -rl "mark.gpu" tests/workers)
-  timeout 100 python3 -m pytest -q tests/workers/models/test_kernel_resources.py
+  # compiled into a cache of its own: the carried cache keeps cubins alone, and a test reads the IR
+  TRITON_CACHE_DIR=$(mktemp -d) timeout 100 python3 -m pytest -q tests/workers/models/test_kernel_resources.py
 }
 
 first() {  # a generation's first draft in its three forms (one eager pass, the prompt's write eager or by a graph;
