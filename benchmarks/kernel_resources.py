@@ -136,10 +136,8 @@ def gdn_launches(shape: dict, parents: torch.Tensor) -> list[Launch]:
                             torch.empty(taps - 1 + q, channels, dtype=bf16), gates)
     kq, v_ = torch.zeros(hk, 2, q, d), torch.zeros(h, q, d)
     g, beta, state = torch.zeros(q, h), torch.zeros(q, h, dtype=bf16), torch.zeros(h, d, d)
-    # as a bfloat16 model runs them in every form, paired and grouped too (``gdn_triton.TREE_FORM``), and a float32
-    # model
-    forms = gdn_triton.FORM_CHOICES + gdn_triton.PAIRED_FORMS + gdn_triton.GROUPED_FORMS
-    runs = ([(bf16, "tf32", form) for form in forms]
+    # as a bfloat16 model runs them in every form, paired blocks too (``gdn_triton.TREE_FORM``), and a float32 model
+    runs = ([(bf16, "tf32", form) for form in gdn_triton.FORM_CHOICES + gdn_triton.PAIRED_FORMS]
             + [(f32, "tf32x3", gdn_triton.FORM_CHOICES[0])])
     for dtype, precision, form in runs:
         norm = (torch.zeros(q, h * d, dtype=dtype), torch.zeros(d, dtype=dtype), 1e-6)

@@ -52,18 +52,13 @@ TREE_WARPS = 4
 # on the GPU at hand (``chosen_form``): the first of FORM_CHOICES unless another gives the same bits and is
 # FORM_MARGIN faster. A (step, stages, blocks) forces one. PAIRED_FORMS were slower at every width timed
 # (17-1025 nodes, twenty-ninth session), so they stay out of the trial; an RTX A6000 has not timed them.
-# A fourth element 1 (GROUPED_FORMS): one program per (block, key head) taking its value heads in turn
-# (``_block_group_outputs``), each head's arithmetic that of the other forms.
-TREE_FORM: tuple[int, ...] | None = None
+TREE_FORM: tuple[int, int, int] | None = None
 ROOT_STEP = tl.constexpr(32)  # the root's program sums over dk in this step in every form (``_root_outputs``)
 FORM_CHOICES = ((32, 3, 1), (32, 2, 1), (64, 2, 1))
 PAIRED_FORMS = ((32, 3, 2), (32, 2, 2))
-# the keys' Gram matrix and the nodes' query-key products made once for a key head's value heads: a third
-# of the programs, each three heads long (the 27B's 48 value heads read 16 key heads); not yet timed on a GPU
-GROUPED_FORMS = ((32, 3, 1, 1), (64, 2, 1, 1))
 FORM_MARGIN = 0.03
 # (device, the pass's shapes and forms) -> the form, kept for the process; and what each trial found
-_FORMS: dict[tuple, tuple[int, ...]] = {}
+_FORMS: dict[tuple, tuple[int, int, int]] = {}
 _FORM_TRIALS: dict[tuple, str] = {}
 # A commit's form: "replay" (``_commit_kernel``, the path token by token) or "chunk" (``_commit_chunk_kernel``,
 # the regrouped form, flat in the path's length). On an H100 the chunk form lost on 4 streams at every
@@ -83,11 +78,10 @@ def _tree_block_kernel(
     KQ, V, STATE, LOG_GATE, BETA, SLOTS, MASK, OUT, Z, NORM_W, nodes, z_stride, eps, root_program, count,
     HEADS: tl.constexpr, REPEAT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CONTEXT: tl.constexpr,
     BLOCK: tl.constexpr, BK: tl.constexpr, FACTORS: tl.constexpr, PRECISION: tl.constexpr, NORMED: tl.constexpr,
-    PAIRS: tl.constexpr, GROUPED: tl.constexpr, PDL: tl.constexpr,
+    PAIRS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (block b, value head h); with PAIRS, blocks 2b and 2b + 1 of the count, each slice of
-    the state read once for both; with GROUPED, (block b, key head h) and its REPEAT value heads in turn;
-    or (b = root_program: the root apart from the blocks, head h, or GROUPED key head h's value heads).
+    the state read once for both; or (b = root_program: the root apart from the blocks, head h).
     KQ [Hk, 2, q, DK] (k_, then q_; value head h reads key head h // REPEAT), V [H, q, DV], STATE [H,
     DK, DV] the committed state S0, LOG_GATE / BETA [q, H], SLOTS [n, S] (S = CONTEXT + BLOCK; the
     block's nodes in the last BLOCK slots), MASK [n, S, S] ancestor-or-self, from ``tree_blocks``. OUT
@@ -97,16 +91,8 @@ def _tree_block_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     if b == root_program:
-        if GROUPED:
-            for i in range(REPEAT):
-                _root_outputs(KQ, V, STATE, LOG_GATE, BETA, OUT, Z, NORM_W, h * REPEAT + i, nodes, eps, HEADS, REPEAT,
-                              DK, DV, min(DK, ROOT_STEP), NORMED)
-        else:
-            _root_outputs(KQ, V, STATE, LOG_GATE, BETA, OUT, Z, NORM_W, h, nodes, eps, HEADS, REPEAT, DK, DV,
-                          min(DK, ROOT_STEP), NORMED)
-    elif GROUPED:
-        _block_group_outputs(KQ, V, STATE, LOG_GATE, BETA, SLOTS, MASK, OUT, Z, NORM_W, b, h, nodes, z_stride, eps,
-                             HEADS, REPEAT, DK, DV, CONTEXT, BLOCK, BK, FACTORS, PRECISION, NORMED)
+        _root_outputs(KQ, V, STATE, LOG_GATE, BETA, OUT, Z, NORM_W, h, nodes, eps, HEADS, REPEAT, DK, DV,
+                      min(DK, ROOT_STEP), NORMED)
     elif PAIRS:
         _block_pair_outputs(KQ, V, STATE, LOG_GATE, BETA, SLOTS, MASK, OUT, Z, NORM_W, b, h, nodes, z_stride, eps,
                             count, HEADS, REPEAT, DK, DV, CONTEXT, BLOCK, BK, FACTORS, PRECISION, NORMED)
@@ -187,51 +173,17 @@ def _block_pair_outputs(KQ, V, STATE, LOG_GATE, BETA, SLOTS, MASK, OUT, Z, NORM_
 
 
 @triton.jit
-def _block_group_outputs(KQ, V, STATE, LOG_GATE, BETA, SLOTS, MASK, OUT, Z, NORM_W, b, hk, nodes, z_stride, eps,
-                         HEADS: tl.constexpr, REPEAT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                         CONTEXT: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr, FACTORS: tl.constexpr,
-                         PRECISION: tl.constexpr, NORMED: tl.constexpr):
-    """The outputs of block b for key head hk's REPEAT value heads, in turn, each as ``_block_outputs``
-    gives it: the keys' Gram matrix and the nodes' query-key products depend on the key head alone, so
-    they are made once for all of them."""
-    gram, qk, on_path, node_path, row, valid, node, is_node, node_row = _block_keys(
-        KQ, SLOTS, MASK, b, hk, nodes, DK, CONTEXT, BLOCK, PRECISION)
-    kq = KQ + hk * 2 * nodes * DK
-    cols = tl.arange(0, DV)
-    for i in range(REPEAT):
-        h = hk * REPEAT + i
-        out, c, node_decay = _block_weights(V, LOG_GATE, BETA, gram, qk, on_path, node_path, row, valid, h, nodes,
-                                            HEADS, DV, CONTEXT, BLOCK, FACTORS, PRECISION)
-        for step in range(0, DK, BK):
-            ds = step + tl.arange(0, BK)
-            state = tl.load(STATE + h * DK * DV + ds[:, None] * DV + cols[None, :])  # [BK, DV]
-            out = _state_step(kq, state, out, c, node_decay, row, valid, node_row, is_node, ds, nodes, DK, PRECISION)
-        _block_store(OUT, Z, NORM_W, out, h, node, is_node, node_row, z_stride, eps, HEADS, DV, NORMED)
-
-
-@triton.jit
 def _block_solve(KQ, V, LOG_GATE, BETA, SLOTS, MASK, b, h, nodes, HEADS: tl.constexpr, REPEAT: tl.constexpr,
                  DK: tl.constexpr, DV: tl.constexpr, CONTEXT: tl.constexpr, BLOCK: tl.constexpr,
                  FACTORS: tl.constexpr, PRECISION: tl.constexpr):
     """Block b's path solve for head h, up to the products with the committed state: the outputs' value
     part sum_n a[t, n] v_n [BLOCK, DV], the weights c [BLOCK, S] of the slots' keys in each node's
     effective query, each node's exp(G_t) [BLOCK, 1], and the block's slot rows and node rows."""
-    gram, qk, on_path, node_path, row, valid, node, is_node, node_row = _block_keys(
-        KQ, SLOTS, MASK, b, h // REPEAT, nodes, DK, CONTEXT, BLOCK, PRECISION)
-    out, c, node_decay = _block_weights(V, LOG_GATE, BETA, gram, qk, on_path, node_path, row, valid, h, nodes, HEADS,
-                                        DV, CONTEXT, BLOCK, FACTORS, PRECISION)
-    return out, c, node_decay, row, valid, node, is_node, node_row
-
-
-@triton.jit
-def _block_keys(KQ, SLOTS, MASK, b, hk, nodes, DK: tl.constexpr, CONTEXT: tl.constexpr, BLOCK: tl.constexpr,
-                PRECISION: tl.constexpr):
-    """Block b's slot rows, node rows and paths, and for key head hk its keys' Gram matrix [S, S] and the
-    nodes' query-key products [BLOCK, S]."""
     S: tl.constexpr = CONTEXT + BLOCK
     i = tl.arange(0, S)
     j = tl.arange(0, BLOCK) + CONTEXT  # the block's own slots: the nodes whose outputs this program writes
     d = tl.arange(0, DK)
+    cols = tl.arange(0, DV)
     slot = tl.load(SLOTS + b * S + i)
     valid = slot < nodes
     row = tl.where(valid, slot, 0)
@@ -240,23 +192,11 @@ def _block_keys(KQ, SLOTS, MASK, b, hk, nodes, DK: tl.constexpr, CONTEXT: tl.con
     node_row = tl.where(is_node, node, 0)
     on_path = tl.load(MASK + b * S * S + i[:, None] * S + i[None, :]) != 0  # [S, S] column on row's path
     node_path = tl.load(MASK + b * S * S + j[:, None] * S + i[None, :]) != 0  # [BLOCK, S]
-    kq = KQ + hk * 2 * nodes * DK
+    kq = KQ + (h // REPEAT) * 2 * nodes * DK
     keys = tl.load(kq + row[:, None] * DK + d[None, :], mask=valid[:, None], other=0.0)  # [S, DK]
     queries = tl.load(kq + (nodes + node_row[:, None]) * DK + d[None, :], mask=is_node[:, None], other=0.0)
     gram = tl.dot(keys, tl.trans(keys), input_precision=PRECISION)  # [S, S]
     qk = tl.dot(queries, tl.trans(keys), input_precision=PRECISION)  # [BLOCK, S]
-    return gram, qk, on_path, node_path, row, valid, node, is_node, node_row
-
-
-@triton.jit
-def _block_weights(V, LOG_GATE, BETA, gram, qk, on_path, node_path, row, valid, h, nodes, HEADS: tl.constexpr,
-                   DV: tl.constexpr, CONTEXT: tl.constexpr, BLOCK: tl.constexpr, FACTORS: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    """Value head h's solve over the block's paths (``_block_keys``): the outputs' value part [BLOCK, DV], the
-    weights c [BLOCK, S] and each node's exp(G_t) [BLOCK, 1], as ``_block_solve`` returns them."""
-    S: tl.constexpr = CONTEXT + BLOCK
-    i = tl.arange(0, S)
-    cols = tl.arange(0, DV)
     g = tl.load(LOG_GATE + row * HEADS + h, mask=valid, other=0.0)
     beta = tl.load(BETA + row * HEADS + h, mask=valid, other=0.0).to(tl.float32)
     G = tl.sum(tl.where(on_path, g[None, :], 0.0), axis=1)  # [S] each slot's path sum of g
@@ -281,7 +221,7 @@ def _block_weights(V, LOG_GATE, BETA, gram, qk, on_path, node_path, row, valid, 
     c = a * tl.exp(G)[None, :]
     values = tl.load(V + (h * nodes + row[:, None]) * DV + cols[None, :], mask=valid[:, None], other=0.0)
     out = tl.dot(a, values, input_precision=PRECISION)  # [BLOCK, DV]
-    return out, c, tl.exp(G_node)[:, None]
+    return out, c, tl.exp(G_node)[:, None], row, valid, node, is_node, node_row
 
 
 @triton.jit
@@ -316,7 +256,7 @@ def tree_outputs(
     num_warps: int | None = None,
     precision: str | None = None,
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (z [q, H*dv], weight [dv], eps)
-    form: tuple[int, ...] | None = None,  # (step, stages, blocks a program[, grouped]): TREE_FORM or chosen on trial
+    form: tuple[int, int, int] | None = None,  # (step, stages, blocks a program): TREE_FORM or chosen on trial
 ) -> torch.Tensor:
     """Outputs [q, H, dv] float32, as ``gdn.tree_delta_rule_normalized`` computes them; with
     ``norm``, ``gated_norm(outputs, z, weight, eps, model_dtype)`` [q, H*dv] instead, in the kernel's
@@ -338,22 +278,20 @@ def tree_outputs(
     z, weight, eps = norm if norm is not None else (v_, v_, 0.0)  # without the norm, not read
     z = z if z.stride(-1) == 1 else z.contiguous()
 
-    def launch(form: tuple[int, ...]) -> torch.Tensor:
-        step, stages, blocks_each, grouped = (*form, 0)[:4]
-        if grouped and blocks_each != 1:
-            raise ValueError(f"gdn_triton: form {form}: a key head's value heads in turn take one block a program")
+    def launch(form: tuple[int, int, int]) -> torch.Tensor:
+        step, stages, blocks_each = form
         programs = -(-count // blocks_each)
         if norm is None:
             out = torch.empty(nodes, heads, dv, dtype=torch.float32, device=v_.device)
         else:
             out = torch.empty(nodes, heads * dv, dtype=model_dtype, device=v_.device)
-        _tree_block_kernel[(programs + apart, key_heads if grouped else heads)](
+        _tree_block_kernel[(programs + apart, heads)](
             kq, v_, state, log_gate, beta, slots, mask.view(torch.uint8), out, z, weight, nodes, z.stride(0), eps,
             programs if apart else -1, count,
             HEADS=heads, REPEAT=heads // key_heads, DK=dk, DV=dv, CONTEXT=slots.shape[1] - TREE_BLOCK,
             BLOCK=TREE_BLOCK, BK=min(dk, step),
             FACTORS=max(1, (ancestors.shape[1] - 1).bit_length()), PRECISION=precision, NORMED=norm is not None,
-            PAIRS=blocks_each == 2, GROUPED=bool(grouped),
+            PAIRS=blocks_each == 2,
             num_warps=num_warps or TREE_WARPS, num_stages=stages, **launch_options(out.device),
         )
         return out
@@ -366,7 +304,7 @@ def tree_outputs(
     return launch(form)
 
 
-def chosen_form(shape: tuple, launch, device: torch.device) -> tuple[int, ...]:
+def chosen_form(shape: tuple, launch, device: torch.device) -> tuple[int, int, int]:
     """The tree kernel's (step, stages, blocks a program) for a pass of this shape (``TREE_FORM`` None),
     chosen at its first call and kept for the process. First met inside ``lt_product.choosing()`` (the
     graphs' warm-ups), each of FORM_CHOICES runs on this call's own inputs (``launch(form)``); a form that
@@ -404,10 +342,8 @@ def chosen_form(shape: tuple, launch, device: torch.device) -> tuple[int, ...]:
     return _FORMS[shape]
 
 
-def form_name(form: tuple[int, ...]) -> str:
-    grouped = len(form) > 3 and form[3]
-    return (f"step {form[0]}, {form[1]} stages, {form[2]} block{'s' * (form[2] > 1)} a program"
-            + (", a key head's value heads in turn" if grouped else ""))
+def form_name(form: tuple[int, int, int]) -> str:
+    return f"step {form[0]}, {form[1]} stages, {form[2]} block{'s' * (form[2] > 1)} a program"
 
 
 def forms_report() -> list[str]:

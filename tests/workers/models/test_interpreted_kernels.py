@@ -44,20 +44,20 @@ def interpreter_reads_one_element_bounds():
     interpreter._patch_lang_tensor = original
 
 
-@pytest.mark.parametrize("form", [(32, 3, 1), (32, 3, 2), (32, 3, 1, 1)])
+@pytest.mark.parametrize("blocks", [1, 2])
 @pytest.mark.parametrize(("q", "depth", "dk", "dv"), [(1, 1, 16, 16), (17, 15, 32, 32), (33, 4, 32, 32),
                                                      (70, 15, 32, 16), (300, 6, 16, 32), (40, "deep", 32, 32)])
-def test_the_tree_kernel_equals_the_torch_tree_form(q, depth, dk, dv, form, monkeypatch):
+def test_the_tree_kernel_equals_the_torch_tree_form(q, depth, dk, dv, blocks, monkeypatch):
     """tree_outputs (the blocked solve with its state products), without and with the gated norm in its
-    epilogue, against the per-node torch form, with one block a program, with blocks in pairs (odd
-    counts at 1, 17, 40, 70 and 300 nodes) and with a key head's three value heads in turn; at 17 and 33
-    nodes the root is apart from the blocks, with a program of its own. The deep case has 16-node paths,
-    aligned keys and slow decay, so that every factor of the solve's nilpotent product weighs in."""
+    epilogue, against the per-node torch form, with one block a program and with blocks in pairs (odd
+    counts at 1, 17, 40, 70 and 300 nodes); at 17 and 33 nodes the root is apart from the blocks, with a
+    program of its own. The deep case has 16-node paths, aligned keys and slow decay, so that every factor
+    of the solve's nilpotent product weighs in."""
     from workers.models import gdn_triton
     from workers.models.gdn import ancestor_table, l2_normalize, tree_delta_rule
     from workers.models.gdn_triton import gated_norm, tree_outputs
 
-    monkeypatch.setattr(gdn_triton, "TREE_FORM", form)
+    monkeypatch.setattr(gdn_triton, "TREE_FORM", (32, 3, blocks))
     g = torch.Generator().manual_seed(q)
     hk, h = 2, 6
     deep = depth == "deep"
@@ -81,8 +81,7 @@ def test_the_roots_program_gives_the_same_bits_in_every_form(monkeypatch):
     """The root apart (17 nodes) has a program that sums over dk in its own steps (``ROOT_STEP``), so a
     form's step does not change its bits: on an H100 a step of 64 changed the last place of most of the
     root's float32 outputs where the blocks' products gave the same bits (twenty-ninth session). Its row
-    is the same bits in every form (dk = 128: the forms' steps differ), and the output is the torch form's.
-    A key head's value heads in turn (GROUPED_FORMS, two value heads here) give each form's whole output."""
+    is the same bits in every form (dk = 128: the forms' steps differ), and the output is the torch form's."""
     from workers.models import gdn_triton
     from workers.models.gdn import ancestor_table, l2_normalize, tree_delta_rule
     from workers.models.gdn_triton import tree_outputs
@@ -97,12 +96,9 @@ def test_the_roots_program_gives_the_same_bits_in_every_form(monkeypatch):
     kq = torch.stack((l2_normalize(key).transpose(0, 1), (l2_normalize(query) * dk**-0.5).transpose(0, 1)), 1)
     v_ = value.transpose(0, 1).contiguous()
     by_form = [tree_outputs(kq, v_, log_gate, beta, state, ancestors, form=form)
-               for form in gdn_triton.FORM_CHOICES + gdn_triton.PAIRED_FORMS + gdn_triton.GROUPED_FORMS]
+               for form in gdn_triton.FORM_CHOICES + gdn_triton.PAIRED_FORMS]
     assert {form[0] for form in gdn_triton.FORM_CHOICES} == {32, 64}
     assert all(torch.equal(out[0], by_form[0][0]) for out in by_form[1:])
-    forms = gdn_triton.FORM_CHOICES + gdn_triton.PAIRED_FORMS
-    for grouped, out in zip(gdn_triton.GROUPED_FORMS, by_form[len(forms):], strict=True):
-        assert torch.equal(out, by_form[forms.index(grouped[:3])])
     want = tree_delta_rule(query, key, value, log_gate, beta, state, ancestors, use_triton=False)
     assert relative(by_form[0], want) < 1e-5
 
