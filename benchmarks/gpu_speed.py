@@ -14,11 +14,13 @@ drafter (5 layers, block 16). Prints, last, one table:
 - the drafter's forward (one block), eager and as a graph; a generation's first draft over the prompt's
   taps (the engines run it once, in the decode time), eager and as the engines run it; the tree work per
   round for B = 16..1024 (build on the GPU, unlimited and branching 8; walk; commit);
-- full rounds: AR decode step, DFlash round, DDTree rounds, eager vs graphs (and the split target);
+- full rounds: AR decode step, DFlash round, DDTree rounds, eager vs graphs (``--round-reps`` graph-replayed
+  generations each: their median, least and most) (and the split target);
 - checks: graph outputs equal eager outputs (greedy tokens, every method);
-- last, issues 12 and 28's goals against what this run measured (those it measured), with, for the
-  DDTree rounds, the least ratio this GPU allows (``least_round``; "out of reach" where it exceeds
-  the goal), then what ``lt_product`` timed and chose per product shape (``--no-lt``: none of it).
+- last, the floors measured again, then issues 12 and 28's goals against what this run measured (those it
+  measured; ``goals.py``), each with its spread over the samples and both floor measurements and, for the
+  DDTree rounds, the least ratio this GPU allows (``least_round``; "out of reach" where it exceeds the
+  goal), then what ``lt_product`` timed and chose per product shape (``--no-lt``: none of it).
 ``--attention-form shared`` runs the attention kernel's shared form, ``chosen`` the form each pass shape's trial
 chose (``attention_triton.SHARED``, key splits by default);
 ``--commit-branches N`` puts a commit's pieces on N streams (``runner.loop.COMMIT_BRANCHES``) and ``--commit-beside
@@ -35,6 +37,7 @@ import statistics
 import time
 
 import torch
+from goals import Spread, goal_lines  # a sibling script: benchmarks/ is on sys.path
 
 from tests.helpers.reference import AttentionTarget
 from workers.decoding import ar, ddtree, dflash, generation
@@ -51,34 +54,10 @@ from workers.seam import is_hybrid
 
 QS = "1,16,64,128,256,512"
 BUDGETS = "16,64,256,1024"
-def least_round(budget: int):
-    """The least a DDTree round of ``budget`` nodes can cost against this run's DFlash round: this run's
-    drafter pass, then a verify pass of budget + 1 rows at its floor (the larger of the weight read and
-    the products' arithmetic); the tree build, the walk and the commit counted as free."""
-    return lambda m: (m["drafter graph"] + max(m["floor W"], m["floor C per row"] * (budget + 1))) / m["round dflash"]
 
 
-# issues 12 and 28's goals: (label, how this run's numbers give it, the bound: a number, or hybrid shape ->
-# number, and for the rounds the least ratio this GPU allows: a bound below it is out of reach with any kernels)
-GOALS = (
-    ("AR decode step / weight floor", lambda m: m["round ar"] / m["floor W"], {True: 1.2, False: 1.25}, None),
-    ("verify q=257 tree / max(floors)", lambda m: m["verify 257 tree"] / max(m["floor W"], m["floor C 257"]), 1.4,
-     None),
-    ("verify q=1025 tree / compute floor", lambda m: m["verify 1025 tree"] / m["floor C 1025"], 1.5, None),
-    ("DDTree B=64 round / DFlash round", lambda m: m["round ddtree B=64"] / m["round dflash"], 1.15, least_round(64)),
-    ("DDTree B=256 round / DFlash round", lambda m: m["round ddtree B=256"] / m["round dflash"], 1.3,
-     least_round(256)),
-    # one node fewer, so the pass has 256 rows, not 257 (``--budgets 255``: cheaper than B = 256 itself)
-    ("DDTree B=255 round / DFlash round", lambda m: m["round ddtree B=255"] / m["round dflash"], 1.3,
-     least_round(255)),
-    ("DDTree B=1024 round / DFlash round", lambda m: m["round ddtree B=1024"] / m["round dflash"], 3.0,
-     least_round(1024)),
-    ("prefill / compute floor", lambda m: m["prefill graph"] / m["floor C prefill"], 2.0, None),
-    ("split / unsplit, worst pass or round", lambda m: max(m["split ratios"]), 1.05, None),
-)
-
-
-def median_ms(fn, reps: int = 20) -> float:
+def samples_ms(fn, reps: int = 20) -> list[float]:
+    """fn's wall time, synchronised, ``reps`` times after one warm-up call (ms)."""
     fn()
     torch.cuda.synchronize()
     samples = []
@@ -87,7 +66,11 @@ def median_ms(fn, reps: int = 20) -> float:
         fn()
         torch.cuda.synchronize()
         samples.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(samples)
+    return samples
+
+
+def median_ms(fn, reps: int = 20) -> float:
+    return statistics.median(samples_ms(fn, reps))
 
 
 def copy_bandwidth() -> float:
@@ -124,6 +107,8 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--round-reps", type=int, default=3,
+                        help="graph-replayed generations per method, for the rounds' spread in the goals")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile'd layers under graphs")
     parser.add_argument("--only-forwards", action="store_true", help="stop after the verify table")
     parser.add_argument("--qs", default=QS, help="verify widths, comma-separated")
@@ -202,11 +187,12 @@ def measure(args: argparse.Namespace) -> int:
     drafter = build_random_drafter(args.shape, model)
     vocab = model.config.vocab_size
     hybrid = is_hybrid(model.config)
-    measured["hybrid"] = hybrid
+    measured["hybrid"], measured["context"] = hybrid, args.context
     weight_bytes, matmul_params = model_sizes(model)
     floor_ms = weight_bytes / bandwidth * 1e3
     measured["floor W"] = floor_ms
     measured["floor C per row"] = 2 * matmul_params / rate * 1e3
+    floors = [(bandwidth, rate)]  # measured again at the end: the goals' spread takes both
 
     def compute_floor_ms(q: int) -> float:
         return measured["floor C per row"] * q
@@ -255,7 +241,10 @@ def measure(args: argparse.Namespace) -> int:
                     step = lambda c=call, r=runner: (c(), r.commit(torch.zeros(1, dtype=torch.long)))  # noqa: E731
                     row.append(median_ms(step, min(args.reps, 5)))
                 else:
-                    row.append(median_ms(call, args.reps))
+                    samples = samples_ms(call, args.reps)
+                    row.append(statistics.median(samples))
+                    if runner is graphed:
+                        measured[f"verify {q} {mask}"] = Spread.of(samples)
             fused = "-"
             if compiled is not None and mask == "chain" and q in (1, 16, 64, 256):
                 begin = time.perf_counter()
@@ -266,7 +255,6 @@ def measure(args: argparse.Namespace) -> int:
                 setup_s = time.perf_counter() - begin
                 fused = f"{median_ms(call, args.reps):.2f} (setup {setup_s:.0f}s)"
             floor = max(floor_ms, compute_floor_ms(q))
-            measured[f"verify {q} {mask}"], measured[f"floor C {q}"] = row[2], compute_floor_ms(q)
             if split is not None:
                 measured["split ratios"].append(row[3] / row[2])
             lines.append(f"{q:>5} {mask:>5} {row[0]:>9.2f} {row[1]:>9.2f} {row[2]:>9.2f} {floor_ms:>8.2f} "
@@ -288,8 +276,8 @@ def measure(args: argparse.Namespace) -> int:
         runner.prefill(prompt)
 
     def prefill_only_ms(runners: dict, reps: int) -> dict:
-        """Median prefill time per runner, each after a fresh ``start`` that the timing leaves out; the
-        runners take turns, so a drift of the GPU's clock reaches them all alike."""
+        """Prefill times per runner (a ``Spread``), each after a fresh ``start`` that the timing leaves out;
+        the runners take turns, so a drift of the GPU's clock reaches them all alike."""
         samples = {label: [] for label in runners}
         for rep in range(reps + 1):  # the first: warm-up
             for label, runner in runners.items():
@@ -300,25 +288,27 @@ def measure(args: argparse.Namespace) -> int:
                 torch.cuda.synchronize()
                 if rep:
                     samples[label].append((time.perf_counter() - begin) * 1e3)
-        return {label: statistics.median(times) for label, times in samples.items()}
+        return {label: Spread.of(times) for label, times in samples.items()}
 
     runners = {label: runner for label, runner in (("eager", eager), ("graph", graphed), ("split graphs", split))
                if runner is not None}
-    for label, prefill_ms in prefill_only_ms(runners, max(5, args.reps)).items():
+    for label, prefill in prefill_only_ms(runners, max(5, args.reps)).items():
         runner = runners[label]
-        measured[f"prefill {label}"], measured["floor C prefill"] = prefill_ms, compute_floor_ms(args.context)
-        lines.append(f"prefill {args.context} tokens, {label}: {prefill_ms:.1f} ms (chunks of {runner.prefill_chunk}); "
-                     f"compute floor {compute_floor_ms(args.context):.1f} ms -> "
-                     f"{prefill_ms / compute_floor_ms(args.context):.2f}x")
+        measured[f"prefill {label}"] = prefill
+        floor = compute_floor_ms(args.context)
+        lines.append(f"prefill {args.context} tokens, {label}: {prefill.middle:.1f} ms ({prefill.low:.1f}-"
+                     f"{prefill.high:.1f}; chunks of {runner.prefill_chunk}); compute floor {floor:.1f} ms -> "
+                     f"{prefill.middle / floor:.2f}x")
     if args.profile:
         from forward_anatomy import kernel_breakdown
 
         kernel_breakdown(prefill_once, f"prefill {args.context}", lines, top=args.top)
 
     if split is not None:
-        measured["split ratios"].append(measured["prefill split graphs"] / measured["prefill graph"])
+        measured["split ratios"].append(measured["prefill split graphs"].middle / measured["prefill graph"].middle)
     if args.only_forwards:
-        print("\n".join(goal_lines(measured) + lt_lines()))
+        print("\n".join(floor_lines(measured, floors, weight_bytes, matmul_params) + goal_lines(measured)
+                        + lt_lines()))
         return 0
 
     # --- drafter and the host-side tree work ----------------------------------------------------------
@@ -397,11 +387,12 @@ def measure(args: argparse.Namespace) -> int:
                              f"tree build B={budget}, graph", lines, top=args.top)
 
     # --- whole rounds, and graph == eager -------------------------------------------------------------
-    lines.append(f"{'method':>18} {'eager ms/round':>15} {'graph ms/round':>15} {'split ms/round':>15} "
+    lines.append(f"{'method':>18} {'eager ms/round':>15} {'graph ms/round (spread)':>22} {'split ms/round':>15} "
                  f"{'same tokens':>12}")
     config = GenerationConfig(max_new_tokens=args.new_tokens)
     cases = [("ar", ar.generate, None), ("dflash", dflash.generate, DFlashParams())]
     cases += [(f"ddtree B={b}", ddtree.generate, TreeParams(b)) for b in budgets]
+    graph_rounds = {}
     for name, engine, params in cases:
         results = []
         for runner in (eager, graphed, split):
@@ -411,15 +402,31 @@ def measure(args: argparse.Namespace) -> int:
             engine(runner, drafter if params else None, prompt, GenerationConfig(max_new_tokens=8), params)
             out = engine(runner, drafter if params else None, prompt, config, params)
             results.append(out)
+            if runner is graphed:  # the goals' rounds: --round-reps generations, for their spread
+                graph_rounds[name] = [out] + [engine(runner, drafter if params else None, prompt, config, params)
+                                              for _ in range(args.round_reps - 1)]
         per_round = [o.decode_s / max(o.num_rounds, 1) * 1e3 for o in results]
-        same = all(r.token_ids == results[0].token_ids for r in results)
+        same = all(r.token_ids == results[0].token_ids for r in results + graph_rounds[name])
         split_ms = per_round[2] if split is not None else float("nan")
-        measured[f"round {name}"] = per_round[1]
+        measured[f"round {name}"] = Spread.of([o.decode_s / max(o.num_rounds, 1) * 1e3 for o in graph_rounds[name]])
         if split is not None:
             measured["split ratios"].append(split_ms / per_round[1])
-        lines.append(f"{name:>18} {per_round[0]:>15.2f} {per_round[1]:>15.2f} {split_ms:>15.2f} {str(same):>12}")
-    print("\n".join(goal_lines(measured) + lt_lines()))
+        lines.append(f"{name:>18} {per_round[0]:>15.2f} {str(measured[f'round {name}']):>22} {split_ms:>15.2f} "
+                     f"{str(same):>12}")
+    print("\n".join(floor_lines(measured, floors, weight_bytes, matmul_params) + goal_lines(measured) + lt_lines()))
     return 0
+
+
+def floor_lines(measured: dict, floors: list, weight_bytes: int, matmul_params: int) -> list[str]:
+    """The floors measured again, now the passes and rounds have run (the clock may have moved), into the
+    goals' spread; a line with both measurements."""
+    floors.append((copy_bandwidth(), matmul_rate()))
+    bandwidths, rates = zip(*floors, strict=True)
+    measured["floor W"] = Spread.first_of([weight_bytes / b * 1e3 for b in bandwidths])
+    measured["floor C per row"] = Spread.first_of([2 * matmul_params / r * 1e3 for r in rates])
+    return [f"floors at the start / the end: copy {' / '.join(f'{b / 1e12:.2f}' for b in bandwidths)} TB/s, bf16 "
+            f"8192^3 product {' / '.join(f'{r / 1e12:.0f}' for r in rates)} TFLOP/s in a burst (the goals' spread "
+            f"takes both, and each pass's and round's least and most)"]
 
 
 def lt_lines() -> list[str]:
@@ -432,22 +439,6 @@ def lt_lines() -> list[str]:
             + (["attention form per pass shape (attention_triton: the trial, the choice):"] + forms if forms else [])
             + (["GDN tree kernel's form per pass shape (gdn_triton: the trial, the choice):"] + gdn_forms
                if gdn_forms else []))
-
-
-def goal_lines(measured: dict) -> list[str]:
-    """Issues 12 and 28's goals: this run's ratio against each bound (goals whose numbers it lacks left out)
-    and, for the rounds, the least ratio this GPU allows ("out of reach" where that exceeds the bound)."""
-    lines = [f"{'goal':>38} {'this run':>9} {'bound':>6} {'least':>7}"]
-    for label, ratio_of, bound, least_of in GOALS:
-        try:
-            ratio = ratio_of(measured)
-        except (KeyError, ValueError):  # not measured in this run (other --qs, --only-forwards, no --split)
-            continue
-        bound = bound[measured["hybrid"]] if isinstance(bound, dict) else bound
-        least = least_of(measured) if least_of is not None else None
-        verdict = "met" if ratio <= bound else "missed" + ("; out of reach" if least and least > bound else "")
-        lines.append(f"{label:>38} {ratio:>8.3f}x {bound:>5.2f}x {f'{least:.3f}x' if least else '':>7}  {verdict}")
-    return lines
 
 
 if __name__ == "__main__":
