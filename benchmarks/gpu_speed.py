@@ -107,6 +107,8 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--lt-timing", choices=("eager", "graph"),
+                        help="how lt_product times its candidates (lt_product.TIMING; default: as the module sets it)")
     parser.add_argument("--round-reps", type=int, default=3,
                         help="graph-replayed generations per method, for the rounds' spread in the goals")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile'd layers under graphs")
@@ -147,6 +149,8 @@ def main() -> int:
         loop.COMMIT_BRANCHES = args.commit_branches
     if args.commit_beside is not None:
         generation.COMMIT_BESIDE_DRAFT = args.commit_beside == "on"
+    if args.lt_timing is not None:
+        lt_product.TIMING = args.lt_timing
     if args.commit_form is not None:
         from workers.models import gdn_triton
 

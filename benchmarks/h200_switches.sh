@@ -11,6 +11,10 @@
 #   gdn_triton.COMMIT_FORM            a GDN layer's commit token by token ("replay") or in the regrouped form
 #                                     ("chunk"): replay; on an H100 the chunk form lost on 4 streams at every
 #                                     path length (twentieth session)
+#   lt_product.TIMING                 how the products' chooser times its candidates: "eager" (each launched on
+#                                     its own) or "graph" (replayed, as passes run them); eager until `timing`
+#                                     has run (thirtieth session: a 27B down_proj tile 9% faster eagerly, 3.5%
+#                                     slower replayed, on an H100)
 #   gdn_triton.TREE_FORM              the GDN tree kernel's step along dk, pipeline depth
 #                                     and blocks a program: None, chosen per pass shape on trial ((32, 3, 1)
 #                                     unless another is 3% faster); on an RTX A6000 (32, 2, 1) fits 3 programs
@@ -37,12 +41,13 @@
 #   bash benchmarks/h200_switches.sh beside      # 8B rounds with the commit in line / beside the draft [330 s]
 #   bash benchmarks/h200_switches.sh suite       # every GPU test of tests/workers, then the kernels' resources [520 s]
 #   bash benchmarks/h200_switches.sh first       # benchmarks/first_draft.py: 8B, then $SHAPE or 27B [400 s]
+#   bash benchmarks/h200_switches.sh timing      # lt_product.TIMING: its GPU test; 257-row passes each way [520 s]
 # Triton's compiled kernels outlive the machine: a call unpacks .device-cache/triton.tar.xz.part-* (if
 # carried; or an older call's single triton.tar.xz) into a fixed folder (the cache records absolute paths)
 # and leaves the grown cache in $OUT/triton.tar.xz.part-* (15 MB each: a file over 16 MiB does not come back);
 # copy those back to .device-cache/ (replacing what is there) before the next call, so it compiles nothing twice.
 set -euo pipefail
-usage="usage: bash benchmarks/h200_switches.sh wheels | MODE... (tests, commit, kernel, ab SHAPE, goals, profile, tree, stages, beside, suite, first)"
+usage="usage: bash benchmarks/h200_switches.sh wheels | MODE... (tests, commit, kernel, ab SHAPE, goals, profile, tree, stages, beside, suite, first, timing)"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 
 if [ "$1" = wheels ]; then
@@ -136,10 +141,22 @@ first() {  # a generation's first draft in its three forms (one eager pass, the 
   timeout 220 python3 benchmarks/first_draft.py --shapes "${SHAPE:-qwen3.6-27b}" --chunks 64
 }
 
+timing() {  # the products chosen by eager timing and by graph replays: the same passes, each in its own process
+            # (a process chooses once), in turn twice; the chooser's picks print at the end of each
+  timeout 100 python3 -m pytest -q -m gpu tests/workers/models/test_lt_product.py -k "graph"
+  for turn in 1 2; do
+    for how in eager graph; do
+      echo "== turn $turn, lt_product timing: $how"
+      timeout 100 python3 benchmarks/gpu_speed.py --shape "${SHAPE:-qwen3.6-27b}" --qs 257 --only-forwards --reps 10 \
+        --lt-timing $how
+    done
+  done
+}
+
 modes=()  # checked before anything runs
 while [ $# -gt 0 ]; do
   case "$1" in
-    tests|commit|kernel|goals|profile|tree|stages|beside|suite|first) modes+=("$1"); shift ;;
+    tests|commit|kernel|goals|profile|tree|stages|beside|suite|first|timing) modes+=("$1"); shift ;;
     ab) [ $# -ge 2 ] || { echo "ab needs a shape: qwen3-8b, qwen3.6-27b or qwen3.6-27b-half" >&2; exit 2; }
         modes+=("ab $2"); shift 2 ;;
     *) echo "unknown mode $1; $usage" >&2; exit 2 ;;

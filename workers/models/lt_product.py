@@ -10,8 +10,9 @@ blocks padded by 15 or 7, in 1x1 or 1x2 clusters): ``fitted`` makes those. So th
 sees a shape (rows, N, K, summed or not) inside ``choosing()``, it times torch's own call against each
 algorithm the heuristic offers, each fitted one and each ``Split`` (torch's call in two along N, the first
 part cut to fill whole waves of the SMs), on this call's operands into a scratch output with
-the L2 flushed before each call (a pass reads each weight from memory), times the fastest few again for
-longer, and keeps the fastest if it beats torch's by ``MARGIN``. ``graph_cache.capture`` runs its
+the L2 flushed before each call (a pass reads each weight from memory), launched one by one or replayed
+from a CUDA graph (``TIMING``), times the fastest few again for longer, and keeps the fastest if it beats
+torch's by ``MARGIN``. ``graph_cache.capture`` runs its
 warm-up calls inside ``choosing()``, so the passes that replay as graphs (verify widths, full prompt
 chunks, the drafter's) are timed there, before any timed run. A shape first met anywhere else keeps
 torch's call: a prompt's last partial chunk runs eagerly at the prompt's length, and timing each new
@@ -29,6 +30,7 @@ import ctypes
 import functools
 import re
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -49,6 +51,12 @@ TIMED_CALLS, ROUNDS = 5, 5  # calls per candidate per round; the median round co
 FINALISTS, FINAL_ROUNDS = 3, 15  # the fastest few are timed again, longer, against torch's call: candidates a few
 # percent apart swapped places from one process to the next in 5 rounds (8B down_proj at 257 rows: 41 against 46 us)
 FLUSH_L2S = 2  # a buffer of twice the GPU's L2 is read before each timed call
+# how ``_choose`` times its candidates: "eager" (``time_calls``, each call launched on its own) or "graph"
+# (``time_graphs``, the calls replayed from a CUDA graph, as the passes run them). Eagerly, a 27B down_proj's
+# fitted tile at 257 rows took 76.7-82.6 us against torch's 84.3-84.6 on two H100s, and 87.7-89.5 against
+# 84.7-85.3 replayed (benchmarks/results/wide_passes_h200.md, thirtieth session). "eager" until the graph
+# form's GPU tests and whole passes have run (``benchmarks/h200_switches.sh timing``).
+TIMING = "eager"
 SPLIT_SIDES = (128, 176, 192, 256)  # tile sides along N (cuBLAS's at 256-257 rows) a split's first part fits
 SPLIT_ROW_BLOCKS = (1, 2, 3)  # the blocks of x's rows those tiles may come in
 SPLIT_LEAST = 1024  # the narrowest second part of a split
@@ -337,9 +345,10 @@ def _choose(x: torch.Tensor, weight: torch.Tensor, add: bool) -> LtChoice | Spli
         return scratch.addmm_(x, weight.t()) if add else torch.mm(x, weight.t(), out=scratch)
 
     calls = [torch_call] + [functools.partial(choice.run, x, weight, scratch) for choice in candidates]
-    times = time_calls(calls, x.device)
+    timing = time_graphs if TIMING == "graph" else time_calls
+    times = timing(calls, x.device)
     finalists = sorted(range(1, len(calls)), key=times.__getitem__)[:FINALISTS]
-    final = time_calls([calls[0]] + [calls[i] for i in finalists], x.device, FINAL_ROUNDS)
+    final = timing([calls[0]] + [calls[i] for i in finalists], x.device, FINAL_ROUNDS)
     best = min(range(1, len(final)), key=final.__getitem__)
     choice = candidates[finalists[best - 1] - 1]
     key = (x.device.index, x.shape[0], weight.shape[0], x.shape[1], add, x.dtype)
@@ -386,6 +395,46 @@ def time_calls(calls: list, device: torch.device, rounds: int = ROUNDS) -> list[
         torch.cuda.synchronize(device)
         timed.append([sum(begin.elapsed_time(end) for begin, end in pairs) for pairs in events])
     return [sorted(r[i] for r in timed)[rounds // 2] for i in range(len(calls))]
+
+
+def time_graphs(calls: list, device: torch.device, rounds: int = ROUNDS) -> list[float]:
+    """As ``time_calls``, but as a pass runs the calls: each call's TIMED_CALLS runs, each after the read of a
+    buffer larger than the L2, captured in one CUDA graph and replayed, less the same graph of the reads
+    alone (ms per TIMED_CALLS runs, the median over ``rounds``, which interleave the graphs). Off CUDA,
+    ``time_calls``. A capture that fails (a call that cannot be captured) falls back to ``time_calls``."""
+    if device.type != "cuda":
+        return time_calls(calls, device, rounds)
+    l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 << 20
+    flush = torch.zeros(FLUSH_L2S * l2_bytes // 2, dtype=torch.float16, device=device)
+    for call in calls:  # first use: lazy set-up, workspace, outside any capture
+        call()
+    torch.cuda.synchronize(device)
+    graphs = []
+    try:
+        for call in [None, *calls]:  # the reads alone first
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(TIMED_CALLS):
+                    flush.amax()
+                    if call is not None:
+                        call()
+            graphs.append(graph)
+    except RuntimeError as exc:
+        warnings.warn(f"lt_product: a candidate could not be captured to be timed ({exc!r}); timed eagerly",
+                      stacklevel=2)
+        return time_calls(calls, device, rounds)
+    timed = []
+    for _ in range(rounds):
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in graphs]
+        torch.cuda._sleep(5_000_000)  # queue what follows behind it: the host's launch time is not timed
+        for graph, (begin, end) in zip(graphs, events, strict=True):
+            begin.record()
+            graph.replay()
+            end.record()
+        torch.cuda.synchronize(device)
+        timed.append([begin.elapsed_time(end) for begin, end in events])
+    medians = [sorted(r[i] for r in timed)[rounds // 2] for i in range(len(graphs))]
+    return [ms - medians[0] for ms in medians[1:]]
 
 
 def _host_ms(call) -> float:
