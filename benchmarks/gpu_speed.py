@@ -311,7 +311,7 @@ def measure(args: argparse.Namespace) -> int:
     if split is not None:
         measured["split ratios"].append(measured["prefill split graphs"].middle / measured["prefill graph"].middle)
     if args.only_forwards:
-        print("\n".join(floor_lines(measured, floors, weight_bytes, matmul_params) + goal_lines(measured)
+        print("\n".join(remeasured_floors(measured, floors, weight_bytes, matmul_params) + goal_lines(measured)
                         + lt_lines()))
         return 0
 
@@ -417,13 +417,14 @@ def measure(args: argparse.Namespace) -> int:
             measured["split ratios"].append(split_ms / per_round[1])
         lines.append(f"{name:>18} {per_round[0]:>15.2f} {str(measured[f'round {name}']):>22} {split_ms:>15.2f} "
                      f"{str(same):>12}")
-    print("\n".join(floor_lines(measured, floors, weight_bytes, matmul_params) + goal_lines(measured) + lt_lines()))
+    print("\n".join(remeasured_floors(measured, floors, weight_bytes, matmul_params) + goal_lines(measured)
+                    + lt_lines()))
     return 0
 
 
-def floor_lines(measured: dict, floors: list, weight_bytes: int, matmul_params: int) -> list[str]:
-    """The floors measured again, now the passes and rounds have run (the clock may have moved), into the
-    goals' spread; a line with both measurements."""
+def remeasured_floors(measured: dict, floors: list, weight_bytes: int, matmul_params: int) -> list[str]:
+    """The floors measured again, now the passes and rounds have run (the clock may have moved): both
+    measurements go into ``measured`` for the goals' spread; returns a line with them."""
     floors.append((copy_bandwidth(), matmul_rate()))
     bandwidths, rates = zip(*floors, strict=True)
     measured["floor W"] = Spread.first_of([weight_bytes / b * 1e3 for b in bandwidths])

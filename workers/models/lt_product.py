@@ -369,6 +369,17 @@ def report() -> list[str]:
     return lines
 
 
+def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
+    """A buffer FLUSH_L2S times the GPU's L2: read before each timed call, so that its weight comes from memory."""
+    l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 << 20
+    return torch.zeros(FLUSH_L2S * l2_bytes // 2, dtype=torch.float16, device=device)
+
+
+def _medians(timed: list[list[float]]) -> list[float]:
+    """Each call's median over the rounds (``timed``: a list per round of each call's time)."""
+    return [sorted(row[i] for row in timed)[len(timed) // 2] for i in range(len(timed[0]))]
+
+
 def time_calls(calls: list, device: torch.device, rounds: int = ROUNDS) -> list[float]:
     """Each call's median over ``rounds`` of the sum of TIMED_CALLS runs (milliseconds, by CUDA events), a
     buffer larger than the L2 read before each run (read, not written: written lines would be written
@@ -376,9 +387,8 @@ def time_calls(calls: list, device: torch.device, rounds: int = ROUNDS) -> list[
     CUDA (Triton's interpreter runs the kernels on the CPU) by the host's clock, with no flush."""
     if device.type != "cuda":
         timed = [[_host_ms(call) for call in calls] for _ in range(rounds)]
-        return [sorted(r[i] for r in timed)[rounds // 2] for i in range(len(calls))]
-    l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 << 20
-    flush = torch.zeros(FLUSH_L2S * l2_bytes // 2, dtype=torch.float16, device=device)
+        return _medians(timed)
+    flush = _l2_flush_buffer(device)
     for call in calls:  # first use: lazy set-up, workspace
         call()
     timed = []
@@ -394,7 +404,7 @@ def time_calls(calls: list, device: torch.device, rounds: int = ROUNDS) -> list[
                 end.record()
         torch.cuda.synchronize(device)
         timed.append([sum(begin.elapsed_time(end) for begin, end in pairs) for pairs in events])
-    return [sorted(r[i] for r in timed)[rounds // 2] for i in range(len(calls))]
+    return _medians(timed)
 
 
 def time_graphs(calls: list, device: torch.device, rounds: int = ROUNDS) -> list[float]:
@@ -404,8 +414,7 @@ def time_graphs(calls: list, device: torch.device, rounds: int = ROUNDS) -> list
     ``time_calls``. A capture that fails (a call that cannot be captured) falls back to ``time_calls``."""
     if device.type != "cuda":
         return time_calls(calls, device, rounds)
-    l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 << 20
-    flush = torch.zeros(FLUSH_L2S * l2_bytes // 2, dtype=torch.float16, device=device)
+    flush = _l2_flush_buffer(device)
     for call in calls:  # first use: lazy set-up, workspace, outside any capture
         call()
     torch.cuda.synchronize(device)
@@ -433,7 +442,7 @@ def time_graphs(calls: list, device: torch.device, rounds: int = ROUNDS) -> list
             end.record()
         torch.cuda.synchronize(device)
         timed.append([begin.elapsed_time(end) for begin, end in events])
-    medians = [sorted(r[i] for r in timed)[rounds // 2] for i in range(len(graphs))]
+    medians = _medians(timed)
     return [ms - medians[0] for ms in medians[1:]]
 
 
