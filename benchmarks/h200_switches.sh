@@ -12,9 +12,9 @@
 #                                     ("chunk"): replay; on an H100 the chunk form lost on 4 streams at every
 #                                     path length (twentieth session)
 #   lt_product.TIMING                 how the products' chooser times its candidates: "eager" (each launched on
-#                                     its own) or "graph" (replayed, as passes run them); eager until `timing`
-#                                     has run (thirtieth session: a 27B down_proj tile 9% faster eagerly, 3.5%
-#                                     slower replayed, on an H100)
+#                                     its own) or "graph" (replayed, as passes run them): eager; the 257-row
+#                                     passes took the same time chosen either way, 8B and 27B on an H200, 27B
+#                                     on an H100 (thirty-first session)
 #   gdn_triton.TREE_FORM              the GDN tree kernel's step along dk, pipeline depth
 #                                     and blocks a program: None, chosen per pass shape on trial ((32, 3, 1)
 #                                     unless another is 3% faster); on an RTX A6000 (32, 2, 1) fits 3 programs

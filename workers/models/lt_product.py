@@ -54,8 +54,9 @@ FLUSH_L2S = 2  # a buffer of twice the GPU's L2 is read before each timed call
 # how ``_choose`` times its candidates: "eager" (``time_calls``, each call launched on its own) or "graph"
 # (``time_graphs``, the calls replayed from a CUDA graph, as the passes run them). Eagerly, a 27B down_proj's
 # fitted tile at 257 rows took 76.7-82.6 us against torch's 84.3-84.6 on two H100s, and 87.7-89.5 against
-# 84.7-85.3 replayed (benchmarks/results/wide_passes_h200.md, thirtieth session). "eager" until the graph
-# form's GPU tests and whole passes have run (``benchmarks/h200_switches.sh timing``).
+# 84.7-85.3 replayed (benchmarks/results/wide_passes_h200.md, thirtieth session). Eager: whole 257-row passes
+# chosen each way took the same time within their process-to-process spread on an H100 and an H200, both
+# shapes (thirty-first session, ``benchmarks/h200_switches.sh timing``), and eager timing is the cheaper.
 TIMING = "eager"
 SPLIT_SIDES = (128, 176, 192, 256)  # tile sides along N (cuBLAS's at 256-257 rows) a split's first part fits
 SPLIT_ROW_BLOCKS = (1, 2, 3)  # the blocks of x's rows those tiles may come in
