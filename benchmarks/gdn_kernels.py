@@ -8,11 +8,9 @@ in float32 ("ieee", CUDA cores), three-pass tf32 (the default but for bfloat16 m
 bfloat16 models), 4 warps per program (and 8 in tf32), against the torch form; and checks each
 against it (relative error of all outputs), all in the first of ``gdn_triton.FORM_CHOICES``.
 
-``--configs 32/3/4,64/2/4,32/3/4/2,32/3/4/1/1,...`` times instead the kernel as a bfloat16 model's pass runs it
-(tf32, the gated norm in its epilogue, bfloat16 rows out) at each (step along dk, pipeline stages, warps[, blocks
-a program, 1 unless given[, 1: the root apart given by each head's first block program
-(``gdn_triton.ROOT_WITH_FIRST_BLOCK``), 0 (by its own) unless given]]), the first being the base: us a call,
-and how far each one's float32 outputs
+``--configs 32/3/4,64/2/4,32/3/4/2,...`` times instead the kernel as a bfloat16 model's pass runs it (tf32,
+the gated norm in its epilogue, bfloat16 rows out) at each (step along dk, pipeline stages, warps[, blocks a
+program, 1 unless given]), the first being the base: us a call, and how far each one's float32 outputs
 (the same pass without the norm) lie from the base's (max abs; 0 = the same bits; the bfloat16 rows after the
 norm hide most last-place differences). The forms (``gdn_triton.TREE_FORM``) are (step, stages, blocks):
 on an RTX A6000 (32, 2, 1) lets 3 programs share an SM instead of 2, and (64, 2, 1) only one.
@@ -64,8 +62,7 @@ def time_configs(args: argparse.Namespace) -> int:
     shape = TARGETS[args.shape]
     hk, h, dk, dv = (shape["linear_num_key_heads"], shape["linear_num_value_heads"], shape["linear_key_head_dim"],
                      shape["linear_value_head_dim"])
-    configs = [(tuple(int(n) for n in c.split("/")) + (1, 0)[len(c.split("/")) - 3:])[:5]
-               for c in args.configs.split(",")]
+    configs = [(tuple(int(n) for n in c.split("/")) + (1,))[:4] for c in args.configs.split(",")]
     print(f"{args.shape}: one GDN layer's tree kernel, bfloat16 form (tf32, gated norm); us a call, median of "
           f"{ROUNDS} rounds in turn; vs base = max abs difference from {configs[0]}'s float32 outputs (no norm)")
     print(f"{'q':>5} " + " ".join(f"{'/'.join(map(str, c)):>10} {'vs base':>8}" for c in configs))
@@ -76,15 +73,14 @@ def time_configs(args: argparse.Namespace) -> int:
         norm = (z, torch.rand(dv, device="cuda", dtype=torch.bfloat16) + 0.5, 1e-6)
         calls, outputs = {}, {}
         for config in configs:
-            step, stages, warps, blocks_each, with_block = config
-            call = (lambda form=(step, stages, blocks_each), warps=warps, with_block=bool(with_block): tree_outputs(
+            step, stages, warps, blocks_each = config
+            call = (lambda form=(step, stages, blocks_each), warps=warps: tree_outputs(
                 kq, v_, g, beta, state, ancestors, blocks, model_dtype=torch.bfloat16, num_warps=warps, norm=norm,
-                form=form, root_with_block=with_block))
+                form=form))
             try:
                 call()
                 outputs[config] = tree_outputs(kq, v_, g, beta, state, ancestors, blocks, model_dtype=torch.bfloat16,
-                                               num_warps=warps, form=(step, stages, blocks_each),
-                                               root_with_block=bool(with_block))
+                                               num_warps=warps, form=(step, stages, blocks_each))
                 replay_us(call, calls=2, reps=1)
                 calls[config] = call
             except Exception as error:  # a config that does not fit this GPU (shared memory, registers)

@@ -16,8 +16,7 @@ strict ancestors) and the nodes' query weights e, then w = e (I + L)^-1 by the n
 (I - L)(I + L^2)(I + L^4)(I + L^8), and the outputs exp(G) q_ S0 + w r regrouped so that only the nodes'
 rows meet the committed state S0: all tensor-core products of 32-wide tiles, nothing written but the
 outputs. Where the root is apart from the
-blocks (``tree_blocks.root_apart``), one more program per head gives its output, or each head's first block
-program does after its block (``ROOT_WITH_FIRST_BLOCK``). The torch form in
+blocks (``tree_blocks.root_apart``), one more program per head gives its output. The torch form in
 ``gdn`` is the reference it is tested against (``tests/workers/models/test_gdn_triton.py``).
 
 ``commit_path``: after a pass, one layer's (state, conv window) advanced over the accepted path in one
@@ -58,13 +57,6 @@ ROOT_STEP = tl.constexpr(32)  # the root's program sums over dk in this step in 
 FORM_CHOICES = ((32, 3, 1), (32, 2, 1), (64, 2, 1))
 PAIRED_FORMS = ((32, 3, 2), (32, 2, 2))
 FORM_MARGIN = 0.03
-# Where the root is apart (q = 16 n + 1 nodes: 17, 257, 1025), its output comes from a program of its own, one
-# a head beside the block programs (False), or from each head's first block program after its block (True: the
-# grid one program a head smaller; the same ``_root_outputs``, so the same bits). At 257 nodes the 27B's 768
-# block programs fill two rounds of the 396 an H100 or H200 holds (3 an SM) but for 24, and the root's 48
-# programs pass that; 257 nodes took 2.4-3.4 us more than 256 a layer, once 10 us (thirty-first session). Off
-# until `benchmarks/gdn_kernels.py --configs 32/3/4,32/3/4/1/1 --qs 256,257` has timed it on a GPU.
-ROOT_WITH_FIRST_BLOCK = False
 # (device, the pass's shapes and forms) -> the form, kept for the process; and what each trial found
 _FORMS: dict[tuple, tuple[int, int, int]] = {}
 _FORM_TRIALS: dict[tuple, str] = {}
@@ -86,11 +78,10 @@ def _tree_block_kernel(
     KQ, V, STATE, LOG_GATE, BETA, SLOTS, MASK, OUT, Z, NORM_W, nodes, z_stride, eps, root_program, count,
     HEADS: tl.constexpr, REPEAT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CONTEXT: tl.constexpr,
     BLOCK: tl.constexpr, BK: tl.constexpr, FACTORS: tl.constexpr, PRECISION: tl.constexpr, NORMED: tl.constexpr,
-    PAIRS: tl.constexpr, ROOT_WITH_FIRST: tl.constexpr, PDL: tl.constexpr,
+    PAIRS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (block b, value head h); with PAIRS, blocks 2b and 2b + 1 of the count, each slice of
-    the state read once for both; or (b = root_program: the root apart from the blocks, head h). With
-    ROOT_WITH_FIRST, the root apart has no program of its own: block program 0 gives it after its block.
+    the state read once for both; or (b = root_program: the root apart from the blocks, head h).
     KQ [Hk, 2, q, DK] (k_, then q_; value head h reads key head h // REPEAT), V [H, q, DV], STATE [H,
     DK, DV] the committed state S0, LOG_GATE / BETA [q, H], SLOTS [n, S] (S = CONTEXT + BLOCK; the
     block's nodes in the last BLOCK slots), MASK [n, S, S] ancestor-or-self, from ``tree_blocks``. OUT
@@ -108,10 +99,6 @@ def _tree_block_kernel(
     else:
         _block_outputs(KQ, V, STATE, LOG_GATE, BETA, SLOTS, MASK, OUT, Z, NORM_W, b, h, nodes, z_stride, eps,
                        HEADS, REPEAT, DK, DV, CONTEXT, BLOCK, BK, FACTORS, PRECISION, NORMED)
-    if ROOT_WITH_FIRST:
-        if b == 0:
-            _root_outputs(KQ, V, STATE, LOG_GATE, BETA, OUT, Z, NORM_W, h, nodes, eps, HEADS, REPEAT, DK, DV,
-                          min(DK, ROOT_STEP), NORMED)
 
 
 @triton.jit
@@ -270,7 +257,6 @@ def tree_outputs(
     precision: str | None = None,
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (z [q, H*dv], weight [dv], eps)
     form: tuple[int, int, int] | None = None,  # (step, stages, blocks a program): TREE_FORM or chosen on trial
-    root_with_block: bool | None = None,  # the root apart given by block program 0: ROOT_WITH_FIRST_BLOCK if None
 ) -> torch.Tensor:
     """Outputs [q, H, dv] float32, as ``gdn.tree_delta_rule_normalized`` computes them; with
     ``norm``, ``gated_norm(outputs, z, weight, eps, model_dtype)`` [q, H*dv] instead, in the kernel's
@@ -287,8 +273,6 @@ def tree_outputs(
     slots, mask = blocks if blocks is not None else tree_blocks(ancestors)
     count = slots.shape[0]
     apart = count * TREE_BLOCK < nodes  # the root left out of the blocks (``tree_blocks.root_apart``)
-    with_block = apart and (ROOT_WITH_FIRST_BLOCK if root_with_block is None else root_with_block)
-    own_program = apart and not with_block
     precision = precision or ("tf32" if model_dtype == torch.bfloat16 else "tf32x3")
     v_, state, log_gate, beta = v_.contiguous(), state.contiguous(), log_gate.float().contiguous(), beta.contiguous()
     z, weight, eps = norm if norm is not None else (v_, v_, 0.0)  # without the norm, not read
@@ -301,20 +285,20 @@ def tree_outputs(
             out = torch.empty(nodes, heads, dv, dtype=torch.float32, device=v_.device)
         else:
             out = torch.empty(nodes, heads * dv, dtype=model_dtype, device=v_.device)
-        _tree_block_kernel[(programs + own_program, heads)](
+        _tree_block_kernel[(programs + apart, heads)](
             kq, v_, state, log_gate, beta, slots, mask.view(torch.uint8), out, z, weight, nodes, z.stride(0), eps,
-            programs if own_program else -1, count,
+            programs if apart else -1, count,
             HEADS=heads, REPEAT=heads // key_heads, DK=dk, DV=dv, CONTEXT=slots.shape[1] - TREE_BLOCK,
             BLOCK=TREE_BLOCK, BK=min(dk, step),
             FACTORS=max(1, (ancestors.shape[1] - 1).bit_length()), PRECISION=precision, NORMED=norm is not None,
-            PAIRS=blocks_each == 2, ROOT_WITH_FIRST=with_block,
+            PAIRS=blocks_each == 2,
             num_warps=num_warps or TREE_WARPS, num_stages=stages, **launch_options(out.device),
         )
         return out
 
     form = form or TREE_FORM
     if form is None:
-        shape = (str(v_.device), tuple(kq.shape), tuple(v_.shape), tuple(slots.shape), apart, with_block, precision,
+        shape = (str(v_.device), tuple(kq.shape), tuple(v_.shape), tuple(slots.shape), apart, precision,
                  norm is not None, model_dtype, num_warps)
         form = chosen_form(shape, launch, v_.device)
     return launch(form)
