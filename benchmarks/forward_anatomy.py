@@ -32,7 +32,7 @@ from workers.models.runner.target import StaticTarget
 from workers.models.shapes import build_random_drafter, build_random_target
 
 KINDS = (
-    ("matmul", ("gemv", "gemm", "nvjet", "cutlass", "sm90_", "xmma", "splitk")),
+    ("matmul", ("gemv", "gemm", "nvjet", "cutlass", "sm90_", "xmma", "splitk", "_skinny_kernel", "_wide_kernel")),
     ("attention", ("fmha", "flash", "attention", "attn")),
     ("copy/index", ("index", "copy", "cat", "gather", "scatter", "fill")),
     ("reduction", ("reduce",)),
@@ -76,7 +76,9 @@ def replay_us(fn, calls: int = 20, reps: int = 7) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
-def kernel_breakdown(fn, label: str, lines: list[str], top: int = 8) -> None:
+def kernel_breakdown(fn, label: str, lines: list[str], top: int = 8) -> dict[str, float]:
+    """One call of fn profiled: its kernel time by kind, the longest kernels and the gaps, appended to lines.
+    Returns the milliseconds of kernel time by kind (``KINDS``)."""
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -99,6 +101,7 @@ def kernel_breakdown(fn, label: str, lines: list[str], top: int = 8) -> None:
     for ms, count, name in sorted(rows, reverse=True)[:top]:
         lines.append(f"   {ms:7.3f} ms {count:5d}x  {name[:90]}")
     gap_lines(prof, lines, top)
+    return {kind: ms for kind, (ms, _) in by_kind.items()}
 
 
 def gap_lines(prof, lines: list[str], top: int) -> None:

@@ -7,6 +7,12 @@ and most; a burst's matmul rate moved 737-789 TFLOP/s between H200s, and with it
 compute floor: ``benchmarks/results/wide_passes_h200.md``, thirtieth session). A goal's ratio is its
 numerator over its denominator at the middle values; its spread runs from the least numerator over the
 largest denominator to the most over the least. The verdict reads the middle value.
+
+Two lower bounds say whether a missed goal is within reach. "least": the floors alone (for a round, its
+drafter pass and a verify pass at its floor): above the bound, no kernels could meet it on this GPU.
+"products": the matrix products of the verify pass as this run's profile of it timed them (``--profile``
+at that width; cuBLAS's and cuBLASLt's, as ``lt_product`` chose), every other kernel free: above the bound,
+the goal needs faster products than these, whatever else gets faster.
 """
 
 from __future__ import annotations
@@ -60,32 +66,54 @@ def least_round(budget: int) -> Of:
     return lambda m: (m["drafter graph"] + max(m["floor W"], m["floor C per row"] * (budget + 1))) / m["round dflash"]
 
 
+def round_with_products(budget: int) -> Of:
+    """The least a DDTree round of ``budget`` nodes can cost with this run's products: the drafter pass, then
+    the verify pass's matrix products as the profile of its graph timed them (``--profile budget + 1``), every
+    other kernel of the pass, the tree build, the walk and the commit counted as free."""
+    return lambda m: (m["drafter graph"] + m[f"products {budget + 1}"]) / m["round dflash"]
+
+
+def verify_with_products(q: int) -> Of:
+    """The least a verify pass of q rows can cost with this run's products (``--profile q``), against the
+    larger of its floors: its products alone, every other kernel counted as free."""
+    return lambda m: m[f"products {q}"] / max(m["floor W"], m["floor C per row"] * q)
+
+
 def one(_: View) -> float:
     return 1.0
 
 
-# (label, the ratio's numerator and denominator from this run's measurements, the bound: a number, or hybrid
-# shape -> number, and for the rounds the least ratio this GPU allows: a bound below it is out of reach with
-# any kernels)
-GOALS: tuple[tuple[str, Of, Of, float | dict, Of | None], ...] = (
-    ("AR decode step / weight floor", lambda m: m["round ar"], lambda m: m["floor W"], {True: 1.2, False: 1.25},
-     None),
-    ("verify q=257 tree / max(floors)", lambda m: m["verify 257 tree"],
-     lambda m: max(m["floor W"], m["floor C per row"] * 257), 1.4, None),
-    ("verify q=1025 tree / compute floor", lambda m: m["verify 1025 tree"], lambda m: m["floor C per row"] * 1025,
-     1.5, None),
-    ("DDTree B=64 round / DFlash round", lambda m: m["round ddtree B=64"], lambda m: m["round dflash"], 1.15,
-     least_round(64)),
-    ("DDTree B=256 round / DFlash round", lambda m: m["round ddtree B=256"], lambda m: m["round dflash"], 1.3,
-     least_round(256)),
-    # one node fewer, so the pass has 256 rows, not 257 (``--budgets 255``: cheaper than B = 256 itself)
-    ("DDTree B=255 round / DFlash round", lambda m: m["round ddtree B=255"], lambda m: m["round dflash"], 1.3,
-     least_round(255)),
-    ("DDTree B=1024 round / DFlash round", lambda m: m["round ddtree B=1024"], lambda m: m["round dflash"], 3.0,
-     least_round(1024)),
-    ("prefill / compute floor", lambda m: m["prefill graph"], lambda m: m["floor C per row"] * m["context"], 2.0,
-     None),
-    ("split / unsplit, worst pass or round", lambda m: max(m["split ratios"]), one, 1.05, None),
+@dataclass(frozen=True)
+class Goal:
+    label: str
+    numerator: Of  # from this run's measurements
+    denominator: Of
+    bound: float | dict  # a number, or hybrid shape -> number
+    least: Of | None = None  # the least ratio this GPU allows: a bound below it is out of reach with any kernels
+    with_products: Of | None = None  # the least with this run's products, every other kernel free
+
+
+def verify_floor(q: int) -> Of:
+    return lambda m: max(m["floor W"], m["floor C per row"] * q)
+
+
+def ddtree_round(budget: int, bound: float) -> Goal:
+    return Goal(f"DDTree B={budget} round / DFlash round", lambda m: m[f"round ddtree B={budget}"],
+                lambda m: m["round dflash"], bound, least_round(budget), round_with_products(budget))
+
+
+GOALS: tuple[Goal, ...] = (
+    Goal("AR decode step / weight floor", lambda m: m["round ar"], lambda m: m["floor W"], {True: 1.2, False: 1.25}),
+    Goal("verify q=257 tree / max(floors)", lambda m: m["verify 257 tree"], verify_floor(257), 1.4,
+         with_products=verify_with_products(257)),
+    Goal("verify q=1025 tree / compute floor", lambda m: m["verify 1025 tree"],
+         lambda m: m["floor C per row"] * 1025, 1.5, with_products=verify_with_products(1025)),
+    ddtree_round(64, 1.15),
+    ddtree_round(256, 1.3),
+    ddtree_round(255, 1.3),  # one node fewer, so the pass has 256 rows, not 257 (cheaper than B = 256 itself)
+    ddtree_round(1024, 3.0),
+    Goal("prefill / compute floor", lambda m: m["prefill graph"], lambda m: m["floor C per row"] * m["context"], 2.0),
+    Goal("split / unsplit, worst pass or round", lambda m: max(m["split ratios"]), one, 1.05),
 )
 
 
@@ -96,21 +124,35 @@ def ratio(measured: dict, numerator: Of, denominator: Of) -> Spread:
                   numerator(high) / denominator(low))
 
 
+def optional(of: Of | None, measured: dict) -> float | None:
+    """A bound's least ratio at the middle values, or None where it has none or this run lacks its numbers."""
+    try:
+        return of(View(measured, "middle")) if of is not None else None
+    except KeyError:  # not profiled at that width (``--profile``)
+        return None
+
+
 def goal_lines(measured: dict) -> list[str]:
-    """This run's ratio against each bound, with its spread (goals whose numbers it lacks left out) and, for
-    the rounds, the least ratio this GPU allows ("out of reach" where that exceeds the bound)."""
-    lines = [f"{'goal':>38} {'this run':>9} {'spread':>15} {'bound':>6} {'least':>7}"]
-    for label, numerator, denominator, bound, least_of in GOALS:
+    """This run's ratio against each bound, with its spread (goals whose numbers it lacks left out), the least
+    ratio this GPU allows (the rounds: "out of reach" where it exceeds the bound) and the least with this
+    run's products where their width was profiled ("out of reach with these products")."""
+    lines = [f"{'goal':>38} {'this run':>9} {'spread':>15} {'bound':>6} {'least':>7} {'products':>8}"]
+    for goal in GOALS:
         try:
-            found = ratio(measured, numerator, denominator)
+            found = ratio(measured, goal.numerator, goal.denominator)
         except (KeyError, ValueError):  # not measured in this run (other --qs, --only-forwards, no --split)
             continue
-        bound = bound[measured["hybrid"]] if isinstance(bound, dict) else bound
-        least = least_of(View(measured, "middle")) if least_of is not None else None
-        verdict = "met" if found.middle <= bound else "missed" + ("; out of reach" if least and least > bound else "")
+        bound = goal.bound[measured["hybrid"]] if isinstance(goal.bound, dict) else goal.bound
+        least, with_products = optional(goal.least, measured), optional(goal.with_products, measured)
+        verdict = "met" if found.middle <= bound else "missed"
+        if found.middle > bound and least is not None and least > bound:
+            verdict += "; out of reach"
+        elif found.middle > bound and with_products is not None and with_products > bound:
+            verdict += "; out of reach with these products"
         if found.low <= bound < found.high:
             verdict += ", the bound within the spread"
         spread = f"{found.low:.3f}-{found.high:.3f}x"
-        lines.append(f"{label:>38} {found.middle:>8.3f}x {spread:>15} {bound:>5.2f}x "
-                     f"{f'{least:.3f}x' if least else '':>7}  {verdict}")
+        lines.append(f"{goal.label:>38} {found.middle:>8.3f}x {spread:>15} {bound:>5.2f}x "
+                     f"{f'{least:.3f}x' if least else '':>7} {f'{with_products:.3f}x' if with_products else '':>8}"
+                     f"  {verdict}")
     return lines

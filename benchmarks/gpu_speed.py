@@ -20,7 +20,9 @@ drafter (5 layers, block 16). Prints, last, one table:
 - last, the floors measured again, then issues 12 and 28's goals against what this run measured (those it
   measured; ``goals.py``), each with its spread over the samples and both floor measurements and, for the
   DDTree rounds, the least ratio this GPU allows (``least_round``; "out of reach" where it exceeds the
-  goal), then what ``lt_product`` timed and chose per product shape (``--no-lt``: none of it).
+  goal) and, for the widths ``--profile`` names, the least with this run's products (every other kernel
+  free; "out of reach with these products"), then what ``lt_product`` timed and chose per product shape
+  (``--no-lt``: none of it).
 ``--attention-form shared`` runs the attention kernel's shared form, ``chosen`` the form each pass shape's trial
 chose (``attention_triton.SHARED``, key splits by default);
 ``--commit-branches N`` puts a commit's pieces on N streams (``runner.loop.COMMIT_BRANCHES``) and ``--commit-beside
@@ -272,7 +274,9 @@ def measure(args: argparse.Namespace) -> int:
         tree = random_tree(vocab, q).to(device) if q > 1 else None
         call = ((lambda t=tree: graphed.verify_tree(prompt[0, 0], t)) if tree
                 else (lambda: graphed.verify_chain(prompt[0, :1])))
-        kernel_breakdown(call, f"graph verify q={q}", lines, top=args.top)
+        by_kind = kernel_breakdown(call, f"graph verify q={q}", lines, top=args.top)
+        if "matmul" in by_kind:  # the products alone, for the goals' "products" bound
+            measured[f"products {q}"] = by_kind["matmul"]
 
     # --- the prompt --------------------------------------------------------------------------------------
     def prefill_once(runner=graphed):

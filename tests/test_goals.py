@@ -61,3 +61,23 @@ def test_the_goal_lines_give_each_ratio_its_spread_and_a_verdict_on_the_middle()
 def test_a_bound_inside_the_spread_is_said_either_way(middle, verdict):
     lines = goals.goal_lines(measured_run(Spread(middle, middle * 0.98, middle * 1.02)))
     assert line_of(lines, "verify q=257").endswith(verdict)
+
+
+def test_the_products_bound_says_a_goal_is_out_of_reach_with_the_products_this_run_timed():
+    """With the 257-row pass's products profiled (22.5 ms): the verify pass could still be 22.5 / 17.48 = 1.29x
+    its floor with every other kernel free (reachable by them), but a B = 256 round at least (1.8 + 22.5) / 16.8
+    = 1.45x a DFlash round: out of reach with these products, though the floors alone allow 1.15x."""
+    run = measured_run(Spread(26.4, 26.0, 27.0)) | {"products 257": 22.5}
+    lines = goals.goal_lines(run)
+    verify = line_of(lines, "verify q=257")
+    assert f"{22.5 / (0.068 * 257):.3f}x" in verify
+    assert verify.endswith("missed")
+    ddtree = line_of(lines, "DDTree B=256")
+    assert f"{(1.8 + 22.5) / 16.8:.3f}x" in ddtree
+    assert ddtree.endswith("missed; out of reach with these products")
+    # the same products under a round that meets its bound: met, whatever the bound says of the products
+    met = run | {"round ddtree B=256": Spread(20.0, 19.9, 20.1)}
+    assert line_of(goals.goal_lines(met), "DDTree B=256").endswith("met")
+    # B = 255's pass has 256 rows: not profiled here, so no products bound on its line
+    assert "products" not in line_of(goals.goal_lines(run | {"round ddtree B=255": Spread(29.0, 28.9, 29.1)}),
+                                     "DDTree B=255")
