@@ -59,11 +59,20 @@ class View:
 Of = Callable[[View], float]
 
 
+def verify_floor(q: int) -> Of:
+    """A pass of q rows: the larger of the weight read and the products' arithmetic."""
+    return lambda m: max(m["floor W"], m["floor C per row"] * q)
+
+
+def compute_floor(q: int) -> Of:
+    return lambda m: m["floor C per row"] * q
+
+
 def least_round(budget: int) -> Of:
     """The least a DDTree round of ``budget`` nodes can cost against this run's DFlash round: this run's
     drafter pass, then a verify pass of budget + 1 rows at its floor (the larger of the weight read and
     the products' arithmetic); the tree build, the walk and the commit counted as free."""
-    return lambda m: (m["drafter graph"] + max(m["floor W"], m["floor C per row"] * (budget + 1))) / m["round dflash"]
+    return lambda m: (m["drafter graph"] + verify_floor(budget + 1)(m)) / m["round dflash"]
 
 
 def round_with_products(budget: int) -> Of:
@@ -73,10 +82,10 @@ def round_with_products(budget: int) -> Of:
     return lambda m: (m["drafter graph"] + m[f"products {budget + 1}"]) / m["round dflash"]
 
 
-def verify_with_products(q: int) -> Of:
-    """The least a verify pass of q rows can cost with this run's products (``--profile q``), against the
-    larger of its floors: its products alone, every other kernel counted as free."""
-    return lambda m: m[f"products {q}"] / max(m["floor W"], m["floor C per row"] * q)
+def verify_with_products(q: int, floor: Of) -> Of:
+    """The least a verify pass of q rows can cost with this run's products (``--profile q``), against its goal's
+    floor: its products alone, every other kernel counted as free."""
+    return lambda m: m[f"products {q}"] / floor(m)
 
 
 def one(_: View) -> float:
@@ -93,10 +102,6 @@ class Goal:
     with_products: Of | None = None  # the least with this run's products, every other kernel free
 
 
-def verify_floor(q: int) -> Of:
-    return lambda m: max(m["floor W"], m["floor C per row"] * q)
-
-
 def ddtree_round(budget: int, bound: float) -> Goal:
     return Goal(f"DDTree B={budget} round / DFlash round", lambda m: m[f"round ddtree B={budget}"],
                 lambda m: m["round dflash"], bound, least_round(budget), round_with_products(budget))
@@ -105,14 +110,14 @@ def ddtree_round(budget: int, bound: float) -> Goal:
 GOALS: tuple[Goal, ...] = (
     Goal("AR decode step / weight floor", lambda m: m["round ar"], lambda m: m["floor W"], {True: 1.2, False: 1.25}),
     Goal("verify q=257 tree / max(floors)", lambda m: m["verify 257 tree"], verify_floor(257), 1.4,
-         with_products=verify_with_products(257)),
-    Goal("verify q=1025 tree / compute floor", lambda m: m["verify 1025 tree"],
-         lambda m: m["floor C per row"] * 1025, 1.5, with_products=verify_with_products(1025)),
+         with_products=verify_with_products(257, verify_floor(257))),
+    Goal("verify q=1025 tree / compute floor", lambda m: m["verify 1025 tree"], compute_floor(1025), 1.5,
+         with_products=verify_with_products(1025, compute_floor(1025))),
     ddtree_round(64, 1.15),
     ddtree_round(256, 1.3),
     ddtree_round(255, 1.3),  # one node fewer, so the pass has 256 rows, not 257 (cheaper than B = 256 itself)
     ddtree_round(1024, 3.0),
-    Goal("prefill / compute floor", lambda m: m["prefill graph"], lambda m: m["floor C per row"] * m["context"], 2.0),
+    Goal("prefill / compute floor", lambda m: m["prefill graph"], lambda m: compute_floor(m["context"])(m), 2.0),
     Goal("split / unsplit, worst pass or round", lambda m: max(m["split ratios"]), one, 1.05),
 )
 
