@@ -69,23 +69,22 @@ def compute_floor(q: int) -> Of:
 
 
 def least_round(budget: int) -> Of:
-    """The least a DDTree round of ``budget`` nodes can cost against this run's DFlash round: this run's
-    drafter pass, then a verify pass of budget + 1 rows at its floor (the larger of the weight read and
-    the products' arithmetic); the tree build, the walk and the commit counted as free."""
-    return lambda m: (m["drafter graph"] + verify_floor(budget + 1)(m)) / m["round dflash"]
+    """The least a DDTree round of ``budget`` nodes can cost (ms): this run's drafter pass, then a verify pass
+    of budget + 1 rows at its floor; the tree build, the walk and the commit counted as free."""
+    return lambda m: m["drafter graph"] + verify_floor(budget + 1)(m)
 
 
 def round_with_products(budget: int) -> Of:
-    """The least a DDTree round of ``budget`` nodes can cost with this run's products: the drafter pass, then
-    the verify pass's matrix products as the profile of its graph timed them (``--profile budget + 1``), every
-    other kernel of the pass, the tree build, the walk and the commit counted as free."""
-    return lambda m: (m["drafter graph"] + m[f"products {budget + 1}"]) / m["round dflash"]
+    """The least a DDTree round of ``budget`` nodes can cost (ms) with this run's products: the drafter pass,
+    then the verify pass's matrix products as the profile of its graph timed them (``--profile budget + 1``),
+    every other kernel of the pass, the tree build, the walk and the commit counted as free."""
+    return lambda m: m["drafter graph"] + m[f"products {budget + 1}"]
 
 
-def verify_with_products(q: int, floor: Of) -> Of:
-    """The least a verify pass of q rows can cost with this run's products (``--profile q``), against its goal's
-    floor: its products alone, every other kernel counted as free."""
-    return lambda m: m[f"products {q}"] / floor(m)
+def products(q: int) -> Of:
+    """The least a verify pass of q rows can cost (ms) with this run's products (``--profile q``): its products
+    alone, every other kernel counted as free."""
+    return lambda m: m[f"products {q}"]
 
 
 def one(_: View) -> float:
@@ -98,8 +97,10 @@ class Goal:
     numerator: Of  # from this run's measurements
     denominator: Of
     bound: float | dict  # a number, or hybrid shape -> number
-    least: Of | None = None  # the least ratio this GPU allows: a bound below it is out of reach with any kernels
-    with_products: Of | None = None  # the least with this run's products, every other kernel free
+    # the least numerator this GPU allows (over the denominator: a bound below it is out of reach with any
+    # kernels), and the least with this run's products, every other kernel free
+    least: Of | None = None
+    with_products: Of | None = None
 
 
 def ddtree_round(budget: int, bound: float) -> Goal:
@@ -110,9 +111,9 @@ def ddtree_round(budget: int, bound: float) -> Goal:
 GOALS: tuple[Goal, ...] = (
     Goal("AR decode step / weight floor", lambda m: m["round ar"], lambda m: m["floor W"], {True: 1.2, False: 1.25}),
     Goal("verify q=257 tree / max(floors)", lambda m: m["verify 257 tree"], verify_floor(257), 1.4,
-         with_products=verify_with_products(257, verify_floor(257))),
+         with_products=products(257)),
     Goal("verify q=1025 tree / compute floor", lambda m: m["verify 1025 tree"], compute_floor(1025), 1.5,
-         with_products=verify_with_products(1025, compute_floor(1025))),
+         with_products=products(1025)),
     ddtree_round(64, 1.15),
     ddtree_round(256, 1.3),
     ddtree_round(255, 1.3),  # one node fewer, so the pass has 256 rows, not 257 (cheaper than B = 256 itself)
@@ -129,10 +130,12 @@ def ratio(measured: dict, numerator: Of, denominator: Of) -> Spread:
                   numerator(high) / denominator(low))
 
 
-def optional(of: Of | None, measured: dict) -> float | None:
-    """A bound's least ratio at the middle values, or None where it has none or this run lacks its numbers."""
+def least_ratio(of: Of | None, goal: Goal, measured: dict) -> float | None:
+    """A least numerator over the goal's denominator at the middle values, or None where the goal has no such
+    bound or this run lacks its numbers."""
+    middle = View(measured, "middle")
     try:
-        return of(View(measured, "middle")) if of is not None else None
+        return of(middle) / goal.denominator(middle) if of is not None else None
     except KeyError:  # not profiled at that width (``--profile``)
         return None
 
@@ -148,12 +151,15 @@ def goal_lines(measured: dict) -> list[str]:
         except (KeyError, ValueError):  # not measured in this run (other --qs, --only-forwards, no --split)
             continue
         bound = goal.bound[measured["hybrid"]] if isinstance(goal.bound, dict) else goal.bound
-        least, with_products = optional(goal.least, measured), optional(goal.with_products, measured)
-        verdict = "met" if found.middle <= bound else "missed"
-        if found.middle > bound and least is not None and least > bound:
-            verdict += "; out of reach"
-        elif found.middle > bound and with_products is not None and with_products > bound:
-            verdict += "; out of reach with these products"
+        least, with_products = (least_ratio(goal.least, goal, measured),
+                                least_ratio(goal.with_products, goal, measured))
+        verdict = "met"
+        if found.middle > bound:
+            verdict = "missed"
+            if least is not None and least > bound:
+                verdict += "; out of reach"
+            elif with_products is not None and with_products > bound:
+                verdict += "; out of reach with these products"
         if found.low <= bound < found.high:
             verdict += ", the bound within the spread"
         spread = f"{found.low:.3f}-{found.high:.3f}x"
